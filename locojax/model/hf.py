@@ -1,0 +1,229 @@
+"""Hugging Face checkpoints: load a local Qwen3 / Llama directory into the NNX model, and export back.
+
+A directory holds `config.json` and either `model.safetensors` or a sharded
+`model.safetensors.index.json`. HF linear weights are [out, in]; ours are [in, (heads, head_dim)],
+so loading reshapes and transposes, and export does the inverse — the round trip is exact.
+Nothing is downloaded: paths are local.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from locojax.model.config import ModelConfig
+from locojax.model.transformer import Transformer
+
+_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    # transformers 5 nests it under rope_parameters; older configs keep it at the top level.
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise CheckpointError(f"config.json: rope_type {rope_type!r} is not supported (only default RoPE)")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "hf", dtype: str = "float32") -> ModelConfig:
+    """ModelConfig from a parsed HF `config.json`."""
+    arch = None
+    for candidate in hf.get("architectures") or []:
+        arch = arch or _ARCHITECTURES.get(candidate)
+    arch = arch or _MODEL_TYPES.get(hf.get("model_type", ""))
+    if arch is None:
+        raise CheckpointError(
+            f"config.json: unknown architecture {hf.get('architectures') or hf.get('model_type')!r}; "
+            f"supported: {', '.join(_ARCHITECTURES)}"
+        )
+    try:
+        heads = int(hf["num_attention_heads"])
+        return ModelConfig(
+            name=name,
+            arch=arch,
+            vocab_size=int(hf["vocab_size"]),
+            d_model=int(hf["hidden_size"]),
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            d_ff=int(hf["intermediate_size"]),
+            rope_theta=_rope_theta(hf),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=arch == "qwen3",
+            max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+            param_dtype=dtype,
+            dtype=dtype,
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"config.json: missing field {exc.args[0]!r}") from None
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    architecture = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[config.arch]
+    return {
+        "architectures": [architecture],
+        "model_type": config.arch,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.d_ff,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": config.max_seq_len,
+        "attention_bias": False,
+        "torch_dtype": config.param_dtype,
+    }
+
+
+# One row per tensor: (HF name, path in our state, HF array -> ours, ours -> HF array).
+Mapping = tuple[str, tuple[Any, ...], Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
+
+
+def _tensor_map(c: ModelConfig) -> list[Mapping]:
+    ident = (lambda a: a, lambda a: a)
+    linear = (lambda a: a.T, lambda a: a.T)  # [out, in] <-> [in, out]
+
+    def heads_in(n):  # HF [n*Dh, D] -> ours [D, n, Dh]
+        return (lambda a: a.reshape(n, c.head_dim, c.d_model).transpose(2, 0, 1),
+                lambda a: a.transpose(1, 2, 0).reshape(n * c.head_dim, c.d_model))
+
+    heads_out = (  # HF [D, H*Dh] -> ours [H, Dh, D]
+        lambda a: a.reshape(c.d_model, c.n_heads, c.head_dim).transpose(1, 2, 0),
+        lambda a: a.transpose(2, 0, 1).reshape(c.d_model, c.n_heads * c.head_dim),
+    )
+    rows: list[Mapping] = [("model.embed_tokens.weight", ("embed",), *ident),
+                           ("model.norm.weight", ("final_norm", "weight"), *ident)]
+    if not c.tie_embeddings:
+        rows.append(("lm_head.weight", ("lm_head",), *linear))
+    for i in range(c.n_layers):
+        hf, ours = f"model.layers.{i}", ("layers", i)
+        rows += [
+            (f"{hf}.input_layernorm.weight", (*ours, "input_norm", "weight"), *ident),
+            (f"{hf}.post_attention_layernorm.weight", (*ours, "post_attention_norm", "weight"), *ident),
+            (f"{hf}.self_attn.q_proj.weight", (*ours, "attention", "q_proj"), *heads_in(c.n_heads)),
+            (f"{hf}.self_attn.k_proj.weight", (*ours, "attention", "k_proj"), *heads_in(c.n_kv_heads)),
+            (f"{hf}.self_attn.v_proj.weight", (*ours, "attention", "v_proj"), *heads_in(c.n_kv_heads)),
+            (f"{hf}.self_attn.o_proj.weight", (*ours, "attention", "o_proj"), *heads_out),
+            (f"{hf}.mlp.gate_proj.weight", (*ours, "mlp", "gate_proj"), *linear),
+            (f"{hf}.mlp.up_proj.weight", (*ours, "mlp", "up_proj"), *linear),
+            (f"{hf}.mlp.down_proj.weight", (*ours, "mlp", "down_proj"), *linear),
+        ]
+        if c.qk_norm:
+            rows += [
+                (f"{hf}.self_attn.q_norm.weight", (*ours, "attention", "q_norm", "weight"), *ident),
+                (f"{hf}.self_attn.k_norm.weight", (*ours, "attention", "k_norm", "weight"), *ident),
+            ]
+    return rows
+
+
+def _variable_at(state: nnx.State, path: tuple[Any, ...]) -> nnx.Variable:
+    node = state
+    for key in path:
+        node = node[key]
+    return node
+
+
+def _safetensors_files(directory: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = {name: directory / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.is_file():
+                raise CheckpointError(f"{index} names a missing shard: {file}")
+        return files
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="numpy") as handle:
+            return {name: single for name in handle.keys()}
+    raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def _read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        if name not in files:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        by_file.setdefault(files[name], []).append(name)
+    tensors: dict[str, np.ndarray] = {}
+    for file, file_names in by_file.items():
+        # framework="flax" reads bfloat16 too (numpy has no bfloat16 of its own).
+        with safe_open(str(file), framework="flax") as handle:
+            for name in file_names:
+                tensors[name] = np.asarray(handle.get_tensor(name))
+    return tensors
+
+
+def load_hf_checkpoint(directory: str | Path, dtype: str = "float32") -> Transformer:
+    """Build a Transformer from a local HF directory. Errors name the missing file or mismatched tensor."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: config.json not found")
+    try:
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
+    config = config_from_hf(hf_config, name=directory.name, dtype=dtype)
+    # Tied configs may still ship an lm_head copy; ignore it then.
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    rows = _tensor_map(config)
+    tensors = _read_tensors(_safetensors_files(directory), [row[0] for row in rows])
+    for hf_name, path, to_ours, _ in rows:
+        variable = _variable_at(state, path)
+        expected = tuple(variable.get_value().shape)
+        try:
+            value = to_ours(tensors[hf_name])
+        except ValueError:  # a reshape that cannot fit: the same mismatch, reported below
+            value = tensors[hf_name]
+        if value.shape != expected:
+            raise CheckpointError(
+                f"tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)}; the config expects a tensor "
+                f"that maps to {expected}"
+            )
+        variable.set_value(jnp.asarray(value, dtype=jnp.dtype(config.param_dtype)))
+    return nnx.merge(graphdef, state)
+
+
+def save_hf_checkpoint(model: Transformer, directory: str | Path) -> Path:
+    """Write `config.json` + `model.safetensors` that `transformers` (and `load_hf_checkpoint`) can read."""
+    from safetensors.flax import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    _, state = nnx.split(model)
+    tensors = {}
+    for hf_name, path, _, to_hf in _tensor_map(config):
+        tensors[hf_name] = jnp.asarray(np.ascontiguousarray(to_hf(np.asarray(_variable_at(state, path)[...]))))
+    (directory / "config.json").write_text(json.dumps(config_to_hf(config), indent=2), encoding="utf-8")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory

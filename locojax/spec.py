@@ -1,0 +1,195 @@
+"""RunSpec: the one description of a run, shared by the CLI, the REST API and the workers.
+
+Validated once at the boundary (pydantic, `extra="forbid"` everywhere so a typo is an error that names
+the field), then treated as read-only. `RunSpec.model_json_schema()` is the published JSON Schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Mode = Literal["co", "da", "sc"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    preset: str = Field("tiny", max_length=64, description="a name from locojax.model.PRESETS")
+    checkpoint: str | None = Field(
+        None, max_length=4096,
+        description="local HF directory (config.json + safetensors) or Orbax checkpoint directory to start from",
+    )
+    tokenizer: str | None = Field(None, max_length=4096, description="local tokenizer.json; default: byte-level")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        from locojax.model.config import PRESETS
+
+        if value.lower() not in PRESETS:
+            raise ValueError(f"unknown model preset {value!r}; known: {', '.join(PRESETS)}")
+        return value.lower()
+
+
+class TaskSpec(_Strict):
+    name: str = Field("arith", max_length=64)
+    path: str | None = Field(None, max_length=4096, description="local JSONL/parquet for gsm8k and math")
+    difficulty: int = Field(1, ge=1, le=5, description="generated tasks only")
+    reward: list[str] | None = Field(None, max_length=8, description="reward functions; default: the task's own")
+
+    @model_validator(mode="after")
+    def _path_when_needed(self) -> "TaskSpec":
+        if self.name in ("gsm8k", "math") and not self.path:
+            raise ValueError(f"task.path is required for task {self.name!r} (a local JSONL or parquet file)")
+        return self
+
+
+class RolloutSpec(_Strict):
+    prompts_per_step: int = Field(32, ge=1, le=65536)
+    group_size: int = Field(8, ge=1, le=1024)
+    max_prompt_tokens: int = Field(128, ge=1, le=131072)
+    max_new_tokens: int = Field(24, ge=1, le=131072)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0 disables top-k")
+
+
+class AlgoSpec(_Strict):
+    name: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    clip_eps: float = Field(0.2, ge=0.0, le=10.0)
+    clip_eps_high: float | None = Field(0.28, ge=0.0, le=10.0)
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    num_iterations: int = Field(1, ge=1, le=64)
+    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="sequences per gradient micro-batch")
+
+
+class OptimSpec(_Strict):
+    lr: float = Field(3e-4, gt=0.0, le=1.0)
+    warmup_steps: int = Field(5, ge=0, le=10_000_000)
+    decay: Literal["constant", "cosine"] = "constant"
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    b1: float = Field(0.9, ge=0.0, lt=1.0)
+    b2: float = Field(0.999, ge=0.0, lt=1.0)
+
+
+class PlacementSpec(_Strict):
+    mode: Mode = "co"
+    hosts: int = Field(1, ge=1, le=4096)
+    devices_per_host: int = Field(1, ge=1, le=64)
+    rollout_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="DA only: share of hosts doing rollout")
+    ray_address: str | None = Field(None, max_length=512, description="DA only: an existing Ray cluster")
+    decision_id: int | None = Field(None, ge=1, description="the placement decision this run follows")
+
+    @model_validator(mode="after")
+    def _da_needs_two_groups(self) -> "PlacementSpec":
+        if self.mode == "da":
+            if self.hosts < 2:
+                raise ValueError("placement.hosts must be at least 2 in DA mode (one rollout and one train host)")
+            fraction = self.rollout_fraction if self.rollout_fraction is not None else 0.5
+            rollout_hosts = round(self.hosts * fraction)
+            if not 1 <= rollout_hosts <= self.hosts - 1:
+                raise ValueError(
+                    f"placement.rollout_fraction {fraction} gives {rollout_hosts} rollout hosts of {self.hosts}; "
+                    "both groups need at least one host"
+                )
+        elif self.rollout_fraction is not None:
+            raise ValueError("placement.rollout_fraction only applies to mode 'da'")
+        return self
+
+    @property
+    def rollout_hosts(self) -> int:
+        """DA only: hosts in the rollout group."""
+        return round(self.hosts * (self.rollout_fraction if self.rollout_fraction is not None else 0.5))
+
+
+class CheckpointSpec(_Strict):
+    every: int = Field(25, ge=0, le=10_000_000, description="0 disables periodic checkpoints")
+    keep: int = Field(3, ge=1, le=1000)
+    dir: str | None = Field(None, max_length=4096, description="default: <output_dir>/checkpoints")
+
+
+class RunSpec(_Strict):
+    name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    model: ModelSpec = ModelSpec()
+    task: TaskSpec = TaskSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    algo: AlgoSpec = AlgoSpec()
+    optim: OptimSpec = OptimSpec()
+    steps: int = Field(200, ge=1, le=10_000_000)
+    placement: PlacementSpec = PlacementSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    output_dir: str | None = Field(None, max_length=4096, description="default: runs/<name>")
+    max_restarts: int = Field(2, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "RunSpec":
+        hosts = self.placement.hosts
+        if self.placement.mode == "da":
+            hosts = self.placement.rollout_hosts
+        if self.rollout.prompts_per_step % hosts:
+            raise ValueError(
+                f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must be divisible by the "
+                f"{hosts} host(s) that do rollout, so every group lives on one host"
+            )
+        return self
+
+    def digest(self) -> str:
+        """Stable hash of the normalised spec (idempotency keys compare these)."""
+        body = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()
+
+
+class SpecError(ValueError):
+    """A spec that failed validation; `errors` lists (field path, message) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str = "spec"):
+        self.errors = errors
+        lines = "; ".join(f"{path or '<root>'}: {msg}" for path, msg in errors)
+        super().__init__(f"invalid {source}: {lines}")
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def parse_spec(data: Any, source: str = "spec") -> RunSpec:
+    """Validate a mapping into a RunSpec, turning pydantic's errors into `SpecError` naming field paths."""
+    if not isinstance(data, dict):
+        raise SpecError([("", f"expected a mapping at the top level, got {type(data).__name__}")], source)
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = [(_field_path(err["loc"]), err["msg"]) for err in exc.errors()]
+        raise SpecError(errors, source) from None
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    """Read a YAML (or JSON) spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([("", f"file not found: {path}")], str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError([("", f"not UTF-8 text ({exc.reason} at byte {exc.start})")], str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError([("", f"not valid YAML: {exc}")], str(path)) from None
+    return parse_spec(data, str(path))
+
+
+def dump_spec(spec: RunSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)

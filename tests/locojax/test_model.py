@@ -1,0 +1,108 @@
+"""The decoder: catalog sizes, KV-cache consistency, and sharded execution."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from locojax.model import PRESETS, create_model, forward, get_preset, init_cache, param_count, positions_from_mask
+from locojax.model.config import PUBLISHED_PARAMS, ModelConfig
+from locojax.model.sharding import batch_sharding, logical_to_spec, make_mesh, shard_state
+
+jit_forward = jax.jit(forward, static_argnums=0)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_param_count_matches_published_size(name):
+    count = param_count(PRESETS[name])
+    assert abs(count - PUBLISHED_PARAMS[name]) / PUBLISHED_PARAMS[name] < 0.005
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_param_count_equals_built_model(name):
+    _, state = nnx.split(create_model(get_preset(name)))
+    assert sum(leaf.size for leaf in jax.tree.leaves(state)) == param_count(get_preset(name))
+
+
+def test_small_preset_has_benchmark_dims():
+    c = get_preset("small")
+    assert (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff) == (256, 4, 4, 4, 64, 1024)
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        get_preset("tiny").replace(n_heads=4, n_kv_heads=3)
+    with pytest.raises(KeyError, match="unknown model preset"):
+        get_preset("gpt-5")
+
+
+def _left_padded_batch(config: ModelConfig, batch=3, length=12, seed=1):
+    tokens = jax.random.randint(jax.random.key(seed), (batch, length), 0, config.vocab_size)
+    mask = jnp.ones((batch, length), bool).at[0, :4].set(False).at[1, :1].set(False)
+    return tokens, mask, positions_from_mask(mask)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_prefill_then_cached_decode_equals_full_forward(tie):
+    config = get_preset("tiny").replace(tie_embeddings=tie)
+    graphdef, params = nnx.split(create_model(config, seed=3))
+    tokens, mask, positions = _left_padded_batch(config)
+    full, _ = jit_forward(graphdef, params, tokens, positions, mask)
+
+    prompt_len, total = 7, tokens.shape[1]
+    cache = init_cache(config, tokens.shape[0], total + 4)  # spare slots stay masked out
+    kv_mask = jnp.concatenate([mask, jnp.zeros((tokens.shape[0], 4), bool)], axis=1)
+    logits, cache = jit_forward(graphdef, params, tokens[:, :prompt_len], positions[:, :prompt_len], kv_mask,
+                                cache, 0)
+    pieces = [logits]
+    for i in range(prompt_len, total):
+        logits, cache = jit_forward(graphdef, params, tokens[:, i:i + 1], positions[:, i:i + 1], kv_mask, cache, i)
+        pieces.append(logits)
+    incremental = jnp.concatenate(pieces, axis=1)
+    real = np.asarray(mask)
+    assert np.abs(np.asarray(incremental - full))[real].max() <= 1e-5
+
+
+def test_left_padding_does_not_change_real_token_logits():
+    config = get_preset("tiny")
+    graphdef, params = nnx.split(create_model(config, seed=0))
+    row = jax.random.randint(jax.random.key(5), (1, 6), 0, config.vocab_size)
+    alone, _ = jit_forward(graphdef, params, row, jnp.arange(6)[None], jnp.ones((1, 6), bool))
+    padded = jnp.concatenate([jnp.zeros((1, 3), row.dtype), row], axis=1)
+    mask = jnp.arange(9)[None] >= 3
+    out, _ = jit_forward(graphdef, params, padded, positions_from_mask(mask), mask)
+    np.testing.assert_allclose(np.asarray(out[:, 3:]), np.asarray(alone), atol=1e-5)
+
+
+def test_sharded_forward_on_four_devices_equals_unsharded():
+    assert jax.device_count() == 4, "tests/locojax/conftest.py asks for 4 CPU devices"
+    config = get_preset("tiny")
+    graphdef, params = nnx.split(create_model(config, seed=0))
+    tokens, mask, positions = _left_padded_batch(config, batch=4)
+    reference, _ = jit_forward(graphdef, params, tokens, positions, mask)
+
+    mesh = make_mesh(fsdp=2, tensor=2)
+    sharded_params = shard_state(params, mesh)
+    q_proj = sharded_params["layers"][0]["attention"]["q_proj"][...]
+    assert len(q_proj.sharding.device_set) == 4 and q_proj.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    place = batch_sharding(mesh, 2)
+    out, _ = jit_forward(graphdef, sharded_params, jax.device_put(tokens, place), jax.device_put(positions, place),
+                         jax.device_put(mask, place))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=1e-5)
+
+
+def test_rules_replicate_axes_the_mesh_does_not_divide():
+    mesh = make_mesh(tensor=4)
+    assert logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), mesh) == jax.sharding.PartitionSpec(
+        None, None, None)
+    assert logical_to_spec(("embed", "heads", "head_dim"), (64, 4, 16), mesh) == jax.sharding.PartitionSpec(
+        None, "tensor", None)
+
+
+def test_bfloat16_compute_runs_and_returns_float32_logits():
+    config = get_preset("tiny").replace(param_dtype="bfloat16", dtype="bfloat16")
+    graphdef, params = nnx.split(create_model(config))
+    tokens, mask, positions = _left_padded_batch(config)
+    logits, _ = jit_forward(graphdef, params, tokens, positions, mask)
+    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
