@@ -40,7 +40,13 @@ def _register_all() -> None:
             raise
         module.register(app)
     for entry in entry_points(group="locojax.commands"):
-        entry.load()(app)
+        try:
+            register = entry.load()
+        except ModuleNotFoundError as exc:
+            if exc.name and entry.module.startswith(exc.name):  # plugin package not installed here
+                continue
+            raise
+        register(app)
 
 
 _register_all()

@@ -1,43 +1,169 @@
-"""Engine commands of the `locojax` CLI: demo, and (as they land) train, sft, host, launch."""
+"""Engine commands of the `locojax` CLI: train, host, launch, sft, demo.
+
+JAX is imported inside each command: the number of CPU devices per process must be set before JAX
+starts, and `locojax --help` should not pay for it.
+"""
 
 from __future__ import annotations
 
-import time
+import sys
+from pathlib import Path
+from typing import Optional
 
 import typer
 
+from locojax.spec import RunSpec, SpecError, load_spec
 
-def demo(preset: str = typer.Option("small", help="model preset to build")) -> None:
-    """Smoke demo: build a policy, run a KV-cached forward on a left-padded batch, print timings."""
+SpecArg = typer.Argument(..., exists=False, help="run spec (YAML); see examples/")
+
+
+def _load(path: Path) -> RunSpec:
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        typer.secho(str(exc), fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
+def configure_jax(devices_per_host: int) -> None:
+    """Give this process `devices_per_host` CPU devices (ignored by accelerator backends)."""
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    from locojax.model import create_model, forward, get_preset, init_cache, param_count, positions_from_mask
-    from locojax.tokenizer import ByteTokenizer, pad_left
+    jax.config.update("jax_num_cpu_devices", devices_per_host)
 
-    config = get_preset(preset)
-    tokenizer = ByteTokenizer()
-    graphdef, params = nnx.split(create_model(config, seed=0))
-    prompts = ["What is 2+3?", "Add 12 and 5.", "7-4="]
-    tokens, mask = pad_left([tokenizer.encode(p, add_bos=True) for p in prompts], 16, tokenizer.pad_id)
-    new_tokens = 16
-    step = jax.jit(forward, static_argnums=0, donate_argnums=(5,))
-    kv_mask = jnp.concatenate([jnp.asarray(mask), jnp.ones((len(prompts), new_tokens), bool)], axis=1)
-    positions = positions_from_mask(kv_mask)
-    cache = init_cache(config, len(prompts), kv_mask.shape[1])
-    start = time.perf_counter()
-    logits, cache = step(graphdef, params, jnp.asarray(tokens), positions[:, :16], kv_mask, cache, 0)
-    token = jnp.argmax(logits[:, -1], axis=-1)
-    for i in range(new_tokens - 1):
-        logits, cache = step(graphdef, params, token[:, None], positions[:, 16 + i:17 + i], kv_mask, cache, 16 + i)
-        token = jnp.argmax(logits[:, -1], axis=-1)
-    jax.block_until_ready(token)
-    elapsed = time.perf_counter() - start
-    typer.echo(f"model {config.name}: {param_count(config):,} parameters on {jax.device_count()} device(s)")
-    typer.echo(f"prefill + {new_tokens - 1} cached decode steps for {len(prompts)} prompts: {elapsed:.2f} s "
-               "(including compilation)")
+
+def train(
+    spec_path: Path = SpecArg,
+    resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
+    steps: Optional[int] = typer.Option(None, help="override spec.steps"),
+    output_dir: Optional[Path] = typer.Option(None, help="override spec.output_dir (default runs/<name>)"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+) -> None:
+    """Train a run: in this process when it has one host, else start its hosts with `launch`."""
+    spec = _load(spec_path)
+    overrides = {k: v for k, v in {"steps": steps, "output_dir": str(output_dir) if output_dir else None}.items()
+                 if v is not None}
+    if overrides:
+        spec = RunSpec.model_validate({**spec.model_dump(), **overrides})
+    placement = spec.placement
+    if placement.mode == "co" and placement.hosts > 1:
+        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet)
+        return
+    configure_jax(placement.devices_per_host if placement.mode == "co" else placement.hosts * placement.devices_per_host)
+    from locojax.modes import run_mode
+
+    result = run_mode(spec, resume=resume, console=not quiet)
+    typer.echo(f"{spec.name}: {result.status} after {result.steps_done} steps")
+
+
+def host(
+    spec_path: Path = SpecArg,
+    process_id: int = typer.Option(0, help="this host's index in the job"),
+    num_processes: int = typer.Option(1, help="hosts in the job"),
+    coordinator: Optional[str] = typer.Option(None, help="ADDR:PORT of process 0's coordination service"),
+    devices_per_host: int = typer.Option(1, help="CPU devices to simulate in this process"),
+    resume: bool = typer.Option(False, "--resume"),
+    cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists"),
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Run one host of a multi-host job: what every TPU VM (or simulated host) runs."""
+    spec = _load(spec_path)
+    configure_jax(devices_per_host)
+    import jax
+
+    if num_processes > 1:
+        if not coordinator:
+            typer.secho("--coordinator is required with --num-processes > 1", fg="red", err=True)
+            raise typer.Exit(2)
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id)
+    from locojax.modes import run_mode
+
+    kwargs = {"resume": resume, "console": not quiet and process_id == 0}
+    if cancel_file is not None:
+        kwargs["cancel_file"] = cancel_file
+    result = run_mode(spec, **kwargs)
+    if process_id == 0:
+        typer.echo(f"{spec.name}: {result.status} after {result.steps_done} steps")
+    if num_processes > 1:
+        jax.distributed.shutdown()
+    if result.status == "cancelled":
+        raise typer.Exit(3)
+
+
+def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool) -> None:
+    import tempfile
+
+    from locojax.launch import LaunchError, launch
+    from locojax.spec import dump_spec
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
+        handle.write(dump_spec(spec))
+    extra = (["--resume"] if resume else []) + (["--quiet"] if quiet else [])
+    try:
+        launch(handle.name, hosts, devices_per_host, extra)
+    except LaunchError as exc:
+        typer.secho(str(exc), fg="red", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        Path(handle.name).unlink(missing_ok=True)
+
+
+def launch_command(
+    spec_path: Path = SpecArg,
+    hosts: int = typer.Option(..., help="host processes to start on this machine"),
+    devices_per_host: int = typer.Option(1, help="CPU devices per host process"),
+    resume: bool = typer.Option(False, "--resume"),
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Start HOSTS `locojax host` processes here (pinned to their own cores, on a free loopback port);
+    if one fails, the rest are stopped and the failure is reported."""
+    spec = _load(spec_path)
+    placement = {**spec.placement.model_dump(), "hosts": hosts, "devices_per_host": devices_per_host}
+    spec = RunSpec.model_validate({**spec.model_dump(), "placement": placement})
+    _launch_spec(spec, hosts, devices_per_host, resume, quiet)
+
+
+def sft(
+    spec_path: Path = SpecArg,
+    out: Path = typer.Option(..., help="directory for the HF checkpoint a GRPO spec's model.checkpoint can name"),
+    steps: int = typer.Option(400, help="SFT steps"),
+    batch_size: int = typer.Option(128, help="examples per step"),
+    lr: float = typer.Option(1e-3, help="learning rate, held constant after a short warmup"),
+) -> None:
+    """Warm-start a policy with teacher-forced SFT on the spec's task reference answers."""
+    spec = _load(spec_path)
+    configure_jax(1)
+    from locojax import metrics as m
+    from locojax.sft import run_sft
+
+    logger = m.MetricsLogger([m.ConsoleSink(steps, description=f"sft {spec.name}")])
+    try:
+        last = run_sft(spec, out, steps, batch_size, lr, logger)
+    finally:
+        logger.close()
+    typer.echo(f"sft: loss {last.get('loss/sft', float('nan')):.4f} after {steps} steps -> {out}")
+
+
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), help="where the demo writes checkpoints, metrics and a plot"),
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """The newcomer's demo: SFT warm start, then GRPO on `arith` with the `small` preset, locally."""
+    configure_jax(1)
+    from locojax.demo import run_demo
+
+    summary = run_demo(out, console=not quiet)
+    typer.echo(summary)
 
 
 def register(app: typer.Typer) -> None:
+    app.command("train")(train)
+    app.command("host")(host)
+    app.command("launch")(launch_command)
+    app.command("sft")(sft)
     app.command("demo")(demo)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(0)

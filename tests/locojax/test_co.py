@@ -1,0 +1,150 @@
+"""CO mode (DESIGN §5): synchronous and exact across host layouts, exact resume, an honest split."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from locojax import metrics as m
+from locojax.checkpoint import load_params
+from locojax.model import create_model, get_preset
+from locojax.rewards import REWARDS
+from locojax.spec import RunSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_spec(tmp_path: Path, name: str, **overrides) -> dict:
+    spec = {
+        "name": name, "seed": 3,
+        "model": {"preset": "tiny"},
+        "task": {"name": "arith", "difficulty": 1},
+        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_prompt_tokens": 48, "max_new_tokens": 8},
+        # A large rate so three steps move the params visibly: equality must not hold by inertia.
+        "optim": {"lr": 3e-3, "warmup_steps": 0},
+        "steps": 3,
+        "placement": {"mode": "co", "hosts": 1, "devices_per_host": 1},
+        "checkpoint": {"every": 3, "keep": 2},
+        "output_dir": str(tmp_path / name),
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
+    return spec
+
+
+def write_spec(tmp_path: Path, spec: dict) -> Path:
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def locojax(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "locojax.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+def checkpoint_params(run_dir: Path, step: int):
+    template = nnx.split(create_model(get_preset("tiny")))[1]
+    return load_params(run_dir / "checkpoints", template, step)
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+@pytest.mark.multiprocess
+def test_two_hosts_equal_one_host_with_two_devices(tmp_path):
+    two_hosts = write_spec(tmp_path, tiny_spec(tmp_path, "two-hosts"))
+    one_host = write_spec(tmp_path, tiny_spec(tmp_path, "one-host"))
+    done = locojax("launch", str(two_hosts), "--hosts", "2", "--devices-per-host", "1", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = locojax("launch", str(one_host), "--hosts", "1", "--devices-per-host", "2", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    a, b = checkpoint_params(tmp_path / "two-hosts", 3), checkpoint_params(tmp_path / "one-host", 3)
+    assert_trees_close(a, b, atol=1e-5)
+    start = nnx.split(create_model(get_preset("tiny"), seed=3))[1]
+    moved = max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(start)))
+    assert moved > 1e-3, "three steps should have changed the params"
+
+    # Every step, both hosts report the same params checksum.
+    rows = m.read_jsonl(tmp_path / "two-hosts" / "metrics.jsonl")
+    for step in range(3):
+        sums = {r["host"]: r["params/checksum"] for r in rows if r["step"] == step and r["host"] != "all"}
+        assert set(sums) == {0, 1} and sums[0] == sums[1]
+
+
+@pytest.mark.multiprocess
+def test_resume_after_kill_equals_straight_run(tmp_path):
+    straight = write_spec(tmp_path, tiny_spec(tmp_path, "straight", steps=6))
+    killed = write_spec(tmp_path, tiny_spec(tmp_path, "killed", steps=6))
+    done = locojax("train", str(straight), "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    process = subprocess.Popen([sys.executable, "-m", "locojax.cli", "train", str(killed), "--quiet"], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = tmp_path / "killed" / "checkpoints" / "3" / "commit_success.txt"
+    deadline = time.monotonic() + 240
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert marker.exists(), "the run never wrote its step-3 checkpoint"
+    assert not (tmp_path / "killed" / "checkpoints" / "6").exists(), "killed too late to test resume"
+
+    done = locojax("train", str(killed), "--resume", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_trees_close(checkpoint_params(tmp_path / "straight", 6), checkpoint_params(tmp_path / "killed", 6),
+                       atol=0)
+    rows = {(r["step"]): r for r in m.read_jsonl(tmp_path / "straight" / "metrics.jsonl") if r["host"] == "all"}
+    resumed = [r for r in m.read_jsonl(tmp_path / "killed" / "metrics.jsonl") if r["host"] == "all"]
+    for row in resumed:
+        if row["step"] >= 3:
+            assert row["reward/mean"] == rows[row["step"]]["reward/mean"]
+            assert row["loss/policy"] == rows[row["step"]]["loss/policy"]
+
+
+_sleep_lock = threading.Lock()
+SLEEP_PER_BATCH_S = 0.05
+BATCH = 4 * 4
+
+
+def _sleepy_reward(completion, example) -> float:
+    # 50 ms per batch in total, serialised so the reward thread pool cannot hide it.
+    with _sleep_lock:
+        time.sleep(SLEEP_PER_BATCH_S / BATCH)
+    return 0.0
+
+
+if "test_sleep_50ms_per_batch" not in REWARDS:
+    REWARDS.register("test_sleep_50ms_per_batch")(_sleepy_reward)
+
+
+@pytest.mark.slow
+def test_reward_sleep_shows_up_as_host_time(tmp_path):
+    from locojax.modes.co import run_co
+
+    def host_times(name, rewards):
+        spec = RunSpec.model_validate(tiny_spec(tmp_path, name, steps=5, task={"reward": rewards},
+                                                checkpoint={"every": 0}))
+        run_co(spec, console=False)
+        rows = [r for r in m.read_jsonl(tmp_path / name / "metrics.jsonl") if r["host"] == "all" and r["step"] >= 2]
+        return np.median([r[m.TIME_HOST] for r in rows]), np.median([r[m.TIME_DEVICE] for r in rows])
+
+    base_host, base_device = host_times("plain", ["gsm8k"])
+    sleepy_host, sleepy_device = host_times("sleepy", ["gsm8k", "test_sleep_50ms_per_batch"])
+    assert 0.8 * SLEEP_PER_BATCH_S < sleepy_host - base_host < 2.0 * SLEEP_PER_BATCH_S
+    assert abs(sleepy_device - base_device) < 0.5 * SLEEP_PER_BATCH_S + 0.5 * base_device
