@@ -1,0 +1,343 @@
+"""Training: the optimizer, the one-pytree `TrainState`, and the jitted GRPO and SFT steps.
+
+`make_train_step` / `make_sft_step` return pure functions `step(state, batch) -> (state, metrics)`,
+jitted once with the state donated. Static configuration (algorithm, temperature, micro-batch
+count) is closed over; nothing else about a step lives outside the state.
+
+Batch layout (all arrays lead with the batch axis B; P prompt slots, N = max_new_tokens):
+    tokens          int32   [B, P+N]  left-padded prompt, then the completion (padded after EOS)
+    prompt_mask     bool    [B, P]    True on real prompt tokens (left padding is False)
+    completion_mask bool    [B, N]    True on completion tokens, EOS included; False after it
+    old_logprobs    float32 [B, N]    log-probs of the completion under the policy that sampled it
+                                      (log_softmax(logits / temperature), as the sampler returns)
+    ref_logprobs    float32 [B, N]    the frozen reference policy's log-probs; only if kl_coef > 0
+    advantages      float32 [B]       one per sequence (locojax.algo.ADVANTAGES)
+The SFT step reads only tokens, prompt_mask and completion_mask.
+
+The model sees kv_mask = concat(prompt_mask, completion_mask) and rotary positions
+cumsum(kv_mask) - 1, exactly as rollout fed them, and logits at slot i predict token i+1: the
+log-prob of completion token j comes from the logits at slot P+j-1.
+
+Data parallelism: pass `state` (params replicated, or sharded per the model's rules) and a batch
+whose axis B is sharded over the mesh axis `data` (e.g. built with
+`jax.make_array_from_process_local_data`); `jax.jit` inserts the gradient all-reduce. Losses are
+whole-batch weighted sums (locojax.algo.losses), so micro-batching and sharding change nothing but
+float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from locojax import metrics as m
+from locojax.algo.losses import LOSS_AGGREGATIONS, grpo_objective, token_mean_weights
+from locojax.model import forward, positions_from_mask
+from locojax.spec import AlgoSpec, OptimSpec
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, jax.Array]
+StepFn = Callable[["TrainState", Batch], tuple["TrainState", Metrics]]
+# Passed to jax.jit; e.g. {"xla_backend_optimization_level": 0} halves CPU compile time in tests.
+CompilerOptions = Mapping[str, Any] | None
+
+
+@flax.struct.dataclass
+class TrainState:
+    """All mutable training state, one pytree (checkpointed whole, donated to the step)."""
+
+    step: jax.Array  # int32 []: train steps (batches) completed
+    params: nnx.State  # the policy's nnx.Param state
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32 [2]: the run's PRNG key; the mode splits it for sampling, the step leaves it
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """The optax transformation plus the learning rate as a function of the *train step*."""
+
+    tx: optax.GradientTransformation
+    lr_schedule: Callable[[jax.Array | int], jax.Array]
+    updates_per_step: int = 1
+
+
+def lr_schedule(optim: OptimSpec, total_steps: int) -> Callable[[jax.Array | int], jax.Array]:
+    """Learning rate at train step s: linear warmup lr*(s+1)/warmup_steps for s < warmup_steps (the
+    first update already moves the weights), then constant, or cosine from lr to 0 at total_steps."""
+    peak, warmup = float(optim.lr), int(optim.warmup_steps)
+    decay_steps = max(1, int(total_steps) - warmup)
+    cosine = optim.decay == "cosine"
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = jnp.minimum(1.0, (step + 1.0) / warmup) if warmup > 0 else jnp.float32(1.0)
+        if not cosine:
+            return peak * warm
+        progress = jnp.clip((step - warmup) / decay_steps, 0.0, 1.0)
+        return peak * warm * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+
+    return schedule
+
+
+def make_optimizer(optim: OptimSpec, total_steps: int, updates_per_step: int = 1) -> Optimizer:
+    """AdamW after global-norm clipping. `updates_per_step` (AlgoSpec.num_iterations) updates share one
+    train step's learning rate, so warmup and decay are counted in train steps, as the spec says.
+    Weight decay applies to matrices only (norm scales are left alone)."""
+    train_schedule = lr_schedule(optim, total_steps)
+    tx = optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.adamw(
+            learning_rate=lambda count: train_schedule(count // updates_per_step),
+            b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
+            mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params),
+        ),
+    )
+    return Optimizer(tx=tx, lr_schedule=train_schedule, updates_per_step=updates_per_step)
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of a model whose only state is nnx.Param (true of locojax.model)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("the model holds non-Param state; TrainState.params would not capture it")
+    return graphdef, params
+
+
+def init_train_state(params: nnx.State, optimizer: Optimizer, seed: int | jax.Array = 0) -> TrainState:
+    """A fresh state at step 0. `seed` is an int or an existing uint32[2] key."""
+    rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.tx.init(params), rng=rng)
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-probs of completions
+
+
+def completion_logprobs_and_entropy(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,  # [B, P+N] int32
+    prompt_mask: jax.Array,  # [B, P] bool
+    completion_mask: jax.Array,  # [B, N] bool
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs [B, N] and entropies [B, N] of the completion under log_softmax(logits / T);
+    both 0 where completion_mask is False."""
+    if temperature <= 0:
+        raise ValueError(f"log-probs need a sampling temperature > 0, got {temperature}")
+    prompt_len, new_len = prompt_mask.shape[1], completion_mask.shape[1]
+    if tokens.shape[1] != prompt_len + new_len:
+        raise ValueError(f"tokens has {tokens.shape[1]} slots, expected P+N = {prompt_len}+{new_len}")
+    kv_mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)  # [B, P+N]
+    logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask)  # [B, P+N, V]
+    # Slot i predicts token i+1, so completion token j is scored by slot P+j-1.
+    logits = logits[:, prompt_len - 1 : prompt_len + new_len - 1] / temperature  # [B, N, V]
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    # Pads after EOS may hold any id; point them at 0 so the gather stays in range.
+    targets = jnp.where(completion_mask, tokens[:, prompt_len:], 0)  # [B, N]
+    token_logp = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    return jnp.where(completion_mask, token_logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
+
+
+def sequence_logprobs(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,  # [B, P+N]
+    prompt_mask: jax.Array,  # [B, P]
+    completion_mask: jax.Array,  # [B, N]
+    temperature: float = 1.0,
+) -> jax.Array:
+    """Per-token log-probs [B, N] of the completion tokens (0 on pads), the sampler's convention
+    log_softmax(logits / temperature). Pure; jit it (or use `make_logprobs_fn`)."""
+    return completion_logprobs_and_entropy(graphdef, params, tokens, prompt_mask, completion_mask, temperature)[0]
+
+
+def make_logprobs_fn(
+    graphdef: nnx.GraphDef, temperature: float = 1.0, *, compiler_options: CompilerOptions = None,
+) -> Callable[..., jax.Array]:
+    """Jitted `fn(params, tokens, prompt_mask, completion_mask) -> [B, N]`, e.g. for reference log-probs."""
+    return jax.jit(lambda params, tokens, prompt_mask, completion_mask: sequence_logprobs(
+        graphdef, params, tokens, prompt_mask, completion_mask, temperature), compiler_options=compiler_options)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared step machinery
+
+
+def _num_micro_batches(batch_size: int, micro_batch_size: int | None) -> int:
+    if micro_batch_size is None or micro_batch_size >= batch_size:
+        return 1
+    if batch_size % micro_batch_size:
+        raise ValueError(f"batch of {batch_size} sequences is not a multiple of micro_batch_size {micro_batch_size}")
+    return batch_size // micro_batch_size
+
+
+def _split_micro(batch: Mapping[str, jax.Array], num_micro: int) -> dict[str, jax.Array]:
+    """[B, ...] -> [M, B/M, ...] with micro-batch k = rows k, k+M, k+2M, ...
+
+    Strided rather than contiguous so that, with B sharded in contiguous blocks over devices, every
+    micro-batch is spread over all devices: the reshape keeps the sharded axis (B/M) whole."""
+    def split(x):
+        return jnp.swapaxes(x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]), 0, 1)
+
+    return {k: split(v) for k, v in batch.items()}
+
+
+def _accumulate(loss_fn, params: nnx.State, micro: Mapping[str, jax.Array], num_micro: int):
+    """Sum of gradients and metrics of `loss_fn(params, micro_batch) -> (loss, metrics)` over the
+    micro-batches, one at a time under `lax.scan` so only one micro-batch's activations are live."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    if num_micro == 1:
+        return grad_fn(params, {k: v[0] for k, v in micro.items()})
+
+    def body(grad_sum, micro_batch):
+        grads, metrics = grad_fn(params, micro_batch)
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return grad_sum, metrics
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)  # accumulate in float32
+    grad_sum, metrics = jax.lax.scan(body, zeros, micro)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, params)  # keep opt_state dtypes stable
+    return grads, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
+
+
+def _apply(optimizer: Optimizer, params, opt_state, grads):
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, grad_norm
+
+
+def _check_batch(batch: Batch, required: tuple[str, ...]) -> None:
+    missing = [k for k in required if k not in batch]
+    if missing:
+        raise KeyError(f"batch lacks {missing}; see the layout in locojax.train")
+
+
+# ------------------------------------------------------------------------------------------------
+# GRPO
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: Optimizer,
+    algo: AlgoSpec,
+    *,
+    temperature: float = 1.0,
+    jit: bool = True,
+    compiler_options: CompilerOptions = None,
+) -> StepFn:
+    """The GRPO step: `num_iterations` AdamW updates on one batch, each over all micro-batches.
+
+    Every iteration recomputes log-probs under the current params and takes its ratio against
+    `batch["old_logprobs"]` from rollout (so iteration 1 of an on-policy step has ratio 1, and DA's
+    one-step-stale batches get their importance correction the same way). Metrics are averaged
+    over iterations; `optim/lr` is this step's learning rate.
+
+    `algo.micro_batch_size` counts sequences of the global batch; under data parallelism make it a
+    multiple of the `data` mesh axis size so each micro-batch splits evenly over the devices.
+    The state is donated when jitted: hold no other reference to its arrays (e.g. copy the initial
+    params before using them as the frozen KL reference).
+    """
+    if optimizer.updates_per_step != algo.num_iterations:
+        raise ValueError(
+            f"optimizer built for {optimizer.updates_per_step} updates per step but algo.num_iterations is "
+            f"{algo.num_iterations}; pass updates_per_step=algo.num_iterations to make_optimizer")
+    if temperature <= 0:
+        raise ValueError(f"training needs the sampling temperature > 0, got {temperature}")
+    loss_weights_fn = LOSS_AGGREGATIONS.get(algo.loss_agg)
+    clip_low = algo.clip_eps
+    clip_high = algo.clip_eps if algo.clip_eps_high is None else algo.clip_eps_high
+    use_kl = algo.kl_coef > 0.0
+    required = ("tokens", "prompt_mask", "completion_mask", "old_logprobs", "advantages") + (
+        ("ref_logprobs",) if use_kl else ())
+
+    def loss_fn(params, mb):
+        logp, entropy = completion_logprobs_and_entropy(
+            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], temperature)
+        return grpo_objective(
+            logp, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], mb["loss_weights"],
+            mb["mean_weights"], clip_eps_low=clip_low, clip_eps_high=clip_high, kl_coef=algo.kl_coef,
+            ref_logprobs=mb.get("ref_logprobs"), entropy=jax.lax.stop_gradient(entropy))
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        _check_batch(batch, required)
+        completion_mask = batch["completion_mask"].astype(bool)
+        num_micro = _num_micro_batches(completion_mask.shape[0], algo.micro_batch_size)
+        inputs = {k: batch[k] for k in required}
+        inputs["completion_mask"] = completion_mask
+        # Whole-batch normalisers, computed before splitting (see locojax.algo.losses).
+        inputs["loss_weights"] = loss_weights_fn(completion_mask)  # [B, N]
+        inputs["mean_weights"] = token_mean_weights(completion_mask)  # [B, N]
+        micro = _split_micro(inputs, num_micro)
+
+        def update(carry, _):
+            params, opt_state = carry
+            grads, metrics = _accumulate(loss_fn, params, micro, num_micro)
+            params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
+            return (params, opt_state), {**metrics, m.POLICY_GRAD_NORM: grad_norm}
+
+        if algo.num_iterations == 1:
+            (params, opt_state), metrics = update((state.params, state.opt_state), None)
+        else:
+            (params, opt_state), metrics = jax.lax.scan(
+                update, (state.params, state.opt_state), None, length=algo.num_iterations)
+            metrics = {k: jnp.mean(v) for k, v in metrics.items()}  # over iterations
+        metrics[m.OPTIM_LR] = optimizer.lr_schedule(state.step)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(train_step, donate_argnums=0, compiler_options=compiler_options) if jit else train_step
+
+
+# ------------------------------------------------------------------------------------------------
+# SFT
+
+
+def make_sft_step(
+    graphdef: nnx.GraphDef,
+    optimizer: Optimizer,
+    *,
+    micro_batch_size: int | None = None,
+    jit: bool = True,
+    compiler_options: CompilerOptions = None,
+) -> StepFn:
+    """Teacher-forced SFT: mean cross-entropy over completion tokens (prompt tokens carry no loss),
+    one update per step, same optimizer and micro-batching as the GRPO step. Metrics: `loss/sft`
+    (before the update), `policy/grad_norm`, `optim/lr`."""
+
+    def loss_fn(params, mb):
+        logp, _ = completion_logprobs_and_entropy(
+            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], 1.0)
+        loss = -jnp.sum(mb["mean_weights"] * logp)
+        return loss, {m.LOSS_SFT: loss}
+
+    def sft_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        _check_batch(batch, ("tokens", "prompt_mask", "completion_mask"))
+        completion_mask = batch["completion_mask"].astype(bool)
+        num_micro = _num_micro_batches(completion_mask.shape[0], micro_batch_size)
+        inputs = {"tokens": batch["tokens"], "prompt_mask": batch["prompt_mask"],
+                  "completion_mask": completion_mask, "mean_weights": token_mean_weights(completion_mask)}
+        grads, metrics = _accumulate(loss_fn, state.params, _split_micro(inputs, num_micro), num_micro)
+        params, opt_state, grad_norm = _apply(optimizer, state.params, state.opt_state, grads)
+        metrics = {**metrics, m.POLICY_GRAD_NORM: grad_norm, m.OPTIM_LR: optimizer.lr_schedule(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(sft_step, donate_argnums=0, compiler_options=compiler_options) if jit else sft_step
+
+
+def tokens_in_batch(batch: Batch) -> int:
+    """Real (unpadded) prompt + completion tokens, for throughput/train_tokens_per_s."""
+    return int(jnp.sum(batch["prompt_mask"]) + jnp.sum(batch["completion_mask"]))
+
+
+__all__ = [
+    "Batch", "CompilerOptions", "Metrics", "Optimizer", "StepFn", "TrainState", "completion_logprobs_and_entropy",
+    "init_train_state", "lr_schedule", "make_logprobs_fn", "make_optimizer", "make_sft_step",
+    "make_train_step", "sequence_logprobs", "split_params", "tokens_in_batch",
+]
