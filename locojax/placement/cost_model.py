@@ -1,0 +1,478 @@
+"""The step-time cost model: how long one GRPO step takes in SC, CO or DA mode, and why.
+
+DESIGN.md section 8. A step is built from phases (rollout, reward, train, gradient all-reduce, and per
+mode: the controller's gathers for SC, the weight push and the overlap for DA). Each phase is a
+`Terms`: device seconds from the roofline, and host and network time as *counts* of hardware-profile
+constants (so many controller round trips, so many bytes over DCN, ...). Keeping the counts separate
+from the constants is what lets `calibration` refit the constants from measured runs by linear least
+squares. Everything here is a pure function of (model, hardware, workload, placement).
+
+Modelling choices, each a plain physical statement:
+  * Rollout runs data-parallel replicas of the model; a replica spans `tp` chips (tensor parallel),
+    the fewest that hold the weights in at most half the memory left after any colocated training
+    state; sequences beyond the KV capacity decode in further waves. Decode runs to the generation
+    cap; a step costs max(FLOPs / peak, (weights + KV read) / HBM bandwidth) (FACTS.md, "Formulas"),
+    plus two tensor-parallel all-reduces per layer. How much KV a step reads depends on the engine
+    (`HardwareProfile.decode_attention`: ragged paged attention, or dense static shapes).
+  * Training costs the profile's FLOPs per parameter-token (10 N on accelerators: rematerialised
+    update plus a log-prob pass; 6 N for the local engine) plus attention, at the profile's MFU
+    (scaled down for narrow models); the gradient all-reduce is a ring over ICI inside an ICI domain
+    (a TPU slice, an NVLink node, one local process), hierarchical with DCN across hosts beyond it.
+  * Host orchestration: every computation the host dispatches and waits on costs one host-local
+    round trip (CO, DA) or one controller round trip that grows with the host count (SC); chunked
+    decode (`decode_tokens_per_dispatch`) makes those many. SC also gathers every rollout to the
+    controller, scores every reward there and scatters the batch back; CO scores on the host that owns
+    the samples, overlapping samples that finish early with the decode still running.
+  * DA: rollout of step t+1 overlaps training on step t (staleness 1), so a step is the longer of the
+    two branches (the rollout hosts' CPUs score while their chips decode the next batch) plus the
+    exposed weight push (PCIe out, a pipelined DCN broadcast, PCIe in + ICI all-gather: the slowest
+    link sets the time) and the driver's calls.
+
+The constants marked "assumption" in `hardware.py` and `workloads.py` (decode granularity, native
+dispatch, the narrow-model MFU scaling, workload batch sizes) were chosen within plausible ranges
+together, so that with one set of values the model reproduces the paper's published findings
+(tests/locojax/test_placement.py); the accelerator numbers are the documented ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Mapping
+
+from locojax.model.config import ModelConfig, param_count
+from locojax.placement.hardware import HardwareProfile
+from locojax.placement.workloads import WorkloadProfile
+
+Mode = Literal["sc", "co", "da"]
+MODES: tuple[Mode, ...] = ("sc", "co", "da")
+
+# Memory a run may fill: the rest is the runtime's and fragmentation's.
+HBM_USABLE_FRACTION = 0.9
+# Training state per parameter: float32 master weights, gradients, Adam first and second moments.
+# Gradients cross the network in the profile's `bytes_per_value` (bf16 on accelerators).
+TRAIN_STATE_BYTES_PER_PARAM = 16
+# Attention FLOPs per token per layer are 4 * width * context for one forward pass. A training step
+# makes as many forward-pass equivalents as its parameter FLOPs say (2 N per pass).
+FLOPS_PER_PARAM_TOKEN_PER_PASS = 2
+# Computations a train step dispatches and waits on: log-prob pass, update, metrics fetch.
+TRAIN_DISPATCHES = 3
+# Computations a rollout dispatches besides decode: prefill.
+PREFILL_DISPATCHES = 1
+# Bytes per token moved when rollouts travel between hosts: token id, log-prob, mask, advantage.
+ROLLOUT_BYTES_PER_TOKEN = 16
+# DA driver calls per step: start a rollout, hand its batch to training, push new weights.
+DA_CALLS_PER_STEP = 3
+
+HOST_CONSTANTS = ("dispatch_s", "controller_round_trip_s", "controller_round_trip_per_host_s",
+                  "reward_cpu_scale", "ray_call_s")
+NETWORK_CONSTANTS = ("dcn_s_per_byte", "dcn_latency_s", "ici_s_per_byte", "ici_latency_s", "pcie_s_per_byte")
+
+
+class InfeasiblePlacement(ValueError):
+    """The model does not fit the chips this placement gives a phase."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    mode: Mode
+    chips: int
+    chips_per_host: int
+    rollout_fraction: float | None = None  # DA only: share of hosts doing rollout
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.chips < 1 or self.chips_per_host < 1:
+            raise ValueError(f"chips ({self.chips}) and chips_per_host ({self.chips_per_host}) must be positive")
+        if self.chips % self.chips_per_host:
+            raise ValueError(f"chips ({self.chips}) must be divisible by chips_per_host ({self.chips_per_host})")
+        if self.mode == "da":
+            if self.rollout_fraction is None or not 0 < self.rollout_fraction < 1:
+                raise ValueError(f"rollout_fraction must be in (0, 1) for DA, got {self.rollout_fraction}")
+            if not 1 <= self.rollout_hosts <= self.hosts - 1:
+                raise ValueError(f"rollout_fraction {self.rollout_fraction} of {self.hosts} hosts leaves a group empty")
+        elif self.rollout_fraction is not None:
+            raise ValueError("rollout_fraction only applies to mode 'da'")
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // self.chips_per_host
+
+    @property
+    def rollout_hosts(self) -> int:
+        """DA: hosts in the rollout group (rounded like `PlacementSpec.rollout_hosts`)."""
+        return round(self.hosts * (self.rollout_fraction or 0.0))
+
+    @property
+    def train_hosts(self) -> int:
+        return self.hosts - self.rollout_hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """Time of one phase: device seconds, plus host and network time as {constant name: count}."""
+
+    device_s: float = 0.0
+    host: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    network: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def __add__(self, other: "Terms") -> "Terms":
+        return Terms(self.device_s + other.device_s, _merge(self.host, other.host), _merge(self.network, other.network))
+
+    def seconds(self, hardware: HardwareProfile) -> tuple[float, float, float]:
+        """(device, host, network) seconds under `hardware`'s constants."""
+        constants = constant_values(hardware)
+        host = sum(count * constants[name] for name, count in self.host.items())
+        network = sum(count * constants[name] for name, count in self.network.items())
+        return self.device_s, host, network
+
+    def total(self, hardware: HardwareProfile) -> float:
+        return sum(self.seconds(hardware))
+
+
+def _merge(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    merged = dict(a)
+    for name, count in b.items():
+        merged[name] = merged.get(name, 0.0) + count
+    return merged
+
+
+def constant_values(hardware: HardwareProfile) -> dict[str, float]:
+    """The host and network constants of a profile by the names `Terms` counts refer to."""
+    return {
+        "dispatch_s": hardware.dispatch_s,
+        "controller_round_trip_s": hardware.controller_round_trip_s,
+        "controller_round_trip_per_host_s": hardware.controller_round_trip_per_host_s,
+        "reward_cpu_scale": hardware.reward_cpu_scale,
+        "ray_call_s": hardware.ray_call_s,
+        "dcn_s_per_byte": 1.0 / hardware.dcn_bandwidth_per_host,  # bytes through one host's NIC
+        "dcn_latency_s": hardware.dcn_latency_s,
+        "ici_s_per_byte": 1.0 / hardware.ici_bandwidth,  # bytes through one chip's links
+        "ici_latency_s": hardware.ici_latency_s,
+        "pcie_s_per_byte": 1.0 / hardware.pcie_bandwidth,  # bytes through one chip's host link
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    """What the cost model needs from a model: parameter count and the shapes that set FLOPs and bytes."""
+
+    name: str
+    params: int
+    n_layers: int
+    d_model: int
+    attention_width: int  # n_heads * head_dim
+    kv_values_per_token: int  # 2 * kv_heads * head_dim * layers
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "ModelSize":
+        return cls(name=config.name, params=param_count(config), n_layers=config.n_layers, d_model=config.d_model,
+                   attention_width=config.n_heads * config.head_dim,
+                   kv_values_per_token=config.kv_bytes_per_token(bytes_per_value=1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Phases
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutShape:
+    """How a rollout is laid out: tensor-parallel degree, replicas, sequences per replica and waves."""
+
+    tensor_parallel: int
+    replicas: int
+    batch_per_replica: int  # sequences decoded together
+    waves: int  # rounds of decode when the KV cache cannot hold all of a replica's sequences
+    decode_step_s: float
+    memory_bound: bool
+
+
+def chip_rates(hardware: HardwareProfile, busy_chips: int) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) one chip gets while `busy_chips` chips run at once.
+
+    On the shared local machine every simulated chip runs on the same cores, so they split it.
+    """
+    if hardware.shared_machine:
+        return hardware.peak_flops / busy_chips, hardware.hbm_bandwidth / busy_chips
+    return hardware.peak_flops, hardware.hbm_bandwidth
+
+
+def effective_mfu(model: ModelSize, hardware: HardwareProfile) -> float:
+    """The profile's MFU, scaled down for models narrower than its reference width."""
+    if hardware.mfu_reference_width is None:
+        return hardware.train_mfu
+    return hardware.train_mfu * min(1.0, model.d_model / hardware.mfu_reference_width)
+
+
+def train_state_bytes_per_chip(model: ModelSize, chips: int) -> float:
+    """Training state sharded over the training chips (FSDP)."""
+    return TRAIN_STATE_BYTES_PER_PARAM * model.params / chips
+
+
+def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile, chips: int,
+                  colocated_train_chips: int | None, busy_chips: int) -> RolloutShape:
+    """Lay the rollout out on `chips`; `colocated_train_chips` is set when training state shares them."""
+    bytes_per_value = hardware.bytes_per_value
+    weight_bytes = model.params * bytes_per_value
+    free = hardware.hbm_bytes * HBM_USABLE_FRACTION
+    if colocated_train_chips:
+        free -= train_state_bytes_per_chip(model, colocated_train_chips)
+    if free <= 0:
+        raise InfeasiblePlacement(f"{model.name}: training state does not fit {colocated_train_chips} chip(s)")
+    tensor_parallel = 1
+    while weight_bytes / tensor_parallel > free / 2 and tensor_parallel * 2 <= chips:
+        tensor_parallel *= 2
+    kv_bytes_per_seq = model.kv_values_per_token * bytes_per_value * workload.seq_len
+    room = free * tensor_parallel - weight_bytes
+    if room < kv_bytes_per_seq:
+        raise InfeasiblePlacement(f"{model.name}: weights and one sequence's KV cache do not fit {chips} chip(s)")
+    replicas = chips // tensor_parallel
+    per_replica = math.ceil(workload.samples / replicas)
+    capacity = int(room // kv_bytes_per_seq)
+    waves = math.ceil(per_replica / capacity)
+    batch = math.ceil(per_replica / waves)
+    flops, bandwidth = chip_rates(hardware, busy_chips)
+    context = decode_context(hardware, workload)
+    step_flops = 2 * model.params * batch + 4 * model.n_layers * model.attention_width * batch * context
+    step_bytes = weight_bytes + batch * model.kv_values_per_token * bytes_per_value * context
+    compute_s = step_flops / (tensor_parallel * flops)
+    memory_s = step_bytes / (tensor_parallel * bandwidth)
+    step_s = max(compute_s, memory_s) + hardware.decode_step_overhead_s
+    return RolloutShape(tensor_parallel, replicas, batch, waves, step_s, memory_s >= compute_s)
+
+
+def decode_context(hardware: HardwareProfile, workload: WorkloadProfile) -> float:
+    """Cached tokens one sequence's attention reads per decode step, averaged over the decode.
+
+    Decode runs `gen_len` steps (to the longest sample). Dense attention reads every cache slot each
+    step; ragged attention reads only what sequences still generating hold: a sample of length l
+    reads prompt_len * l + l^2 / 2 cached tokens over its life.
+    """
+    if hardware.decode_attention == "dense":
+        return workload.seq_len
+    mean = workload.gen_len_mean
+    return (workload.prompt_len * mean + mean**2 / 2) / workload.gen_len
+
+
+def _dispatch_host_terms(mode: Mode, dispatches: float, hosts: int) -> dict[str, float]:
+    if mode == "sc":
+        return {"controller_round_trip_s": dispatches, "controller_round_trip_per_host_s": dispatches * hosts}
+    return {"dispatch_s": dispatches}
+
+
+def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile, mode: Mode,
+                  chips: int, hosts: int, colocated_train_chips: int | None,
+                  busy_chips: int) -> tuple[Terms, RolloutShape]:
+    shape = rollout_shape(model, hardware, workload, chips, colocated_train_chips, busy_chips)
+    flops, bandwidth = chip_rates(hardware, busy_chips)
+    weight_bytes = model.params * hardware.bytes_per_value
+    tp = shape.tensor_parallel
+    prefill_flops = (2 * model.params * shape.batch_per_replica * workload.prompt_len
+                     + 2 * model.n_layers * model.attention_width * shape.batch_per_replica * workload.prompt_len ** 2)
+    prefill_s = (max(prefill_flops / (tp * flops * effective_mfu(model, hardware)), weight_bytes / (tp * bandwidth))
+                 + hardware.decode_step_overhead_s)
+    device_s = shape.waves * (prefill_s + workload.gen_len * shape.decode_step_s)
+
+    tokens_per_dispatch = hardware.decode_tokens_per_dispatch or workload.gen_len
+    dispatches = shape.waves * (PREFILL_DISPATCHES + math.ceil(workload.gen_len / tokens_per_dispatch))
+
+    network: dict[str, float] = {}
+    if tp > 1:
+        # Two all-reduces of [batch, d_model] activations per layer per token, over the replica's chips.
+        all_reduces = shape.waves * workload.gen_len * 2 * model.n_layers
+        activation_bytes = shape.batch_per_replica * model.d_model * hardware.bytes_per_value
+        link = "ici" if tp <= hardware.ici_domain_chips else "dcn"
+        network[f"{link}_latency_s"] = all_reduces * 2 * (tp - 1)
+        network[f"{link}_s_per_byte"] = all_reduces * 2 * (tp - 1) / tp * activation_bytes
+    return Terms(device_s, _dispatch_host_terms(mode, dispatches, hosts), network), shape
+
+
+def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile, mode: Mode,
+                chips: int, hosts: int, busy_chips: int) -> Terms:
+    if train_state_bytes_per_chip(model, chips) > hardware.hbm_bytes * HBM_USABLE_FRACTION:
+        raise InfeasiblePlacement(f"{model.name}: training state does not fit {chips} chip(s)")
+    flops, _ = chip_rates(hardware, busy_chips)
+    tokens = workload.samples * workload.seq_len
+    mean_context = workload.seq_len / 2  # causal attention
+    passes = hardware.train_flops_per_param_token / FLOPS_PER_PARAM_TOKEN_PER_PASS
+    flops_per_token = (hardware.train_flops_per_param_token * model.params
+                       + passes * 4 * model.n_layers * model.attention_width * mean_context)
+    device_s = (tokens * flops_per_token / (chips * flops * effective_mfu(model, hardware))
+                + hardware.train_step_overhead_s)
+    return Terms(device_s, _dispatch_host_terms(mode, TRAIN_DISPATCHES, hosts))
+
+
+def all_reduce_terms(hardware: HardwareProfile, size_bytes: float, chips: int, chips_per_host: int) -> Terms:
+    """Ring all-reduce, (S/B) * 2(n-1)/n (FACTS.md); hierarchical once it leaves the ICI domain."""
+    if chips <= 1:
+        return Terms()
+    if chips <= hardware.ici_domain_chips:
+        return Terms(network={"ici_s_per_byte": 2 * (chips - 1) / chips * size_bytes,
+                              "ici_latency_s": 2 * (chips - 1)})
+    hosts = chips // chips_per_host
+    network: dict[str, float] = {}
+    if chips_per_host > 1:  # reduce-scatter and all-gather inside each host
+        network["ici_s_per_byte"] = 2 * (chips_per_host - 1) / chips_per_host * size_bytes
+        network["ici_latency_s"] = 2 * (chips_per_host - 1)
+    # Across hosts each chip carries its 1/chips_per_host shard over its share of the host's NIC,
+    # so the host NIC as a whole moves 2(h-1)/h of the full size.
+    network["dcn_s_per_byte"] = 2 * (hosts - 1) / hosts * size_bytes
+    network["dcn_latency_s"] = 2 * (hosts - 1)
+    return Terms(network=network)
+
+
+def reward_terms(workload: WorkloadProfile, samples_on_one_host: float) -> Terms:
+    return Terms(host={"reward_cpu_scale": samples_on_one_host * workload.reward_s_per_sample})
+
+
+def host_local_reward_terms(hardware: HardwareProfile, workload: WorkloadProfile, samples_on_one_host: float,
+                            rollout_device_s: float) -> Terms:
+    """CO: the host scores its own samples; with chunked decode it scores those that finished early
+    while the rest still decode, so only the part that does not fit in that window is exposed.
+
+    Samples finish around the mean length, so the window is the decode time after it:
+    rollout_device_s * (1 - gen_len_mean / gen_len). The last sample is always scored after decode.
+    """
+    full = reward_terms(workload, samples_on_one_host)
+    if hardware.decode_tokens_per_dispatch is None or samples_on_one_host <= 1:
+        return full
+    full_s = full.total(hardware)
+    if full_s <= 0:
+        return full
+    window_s = rollout_device_s * (1 - workload.gen_len_mean / workload.gen_len)
+    exposed_fraction = max(1 - window_s / full_s, 1 / samples_on_one_host)
+    return reward_terms(workload, samples_on_one_host * exposed_fraction)
+
+
+def controller_gather_terms(workload: WorkloadProfile, hosts: int) -> Terms:
+    """SC: every rollout comes back to the controller and the training batch goes out again.
+
+    Two round trips (gather, scatter); every byte passes through the controller's one NIC.
+    """
+    rollout_bytes = workload.samples * workload.seq_len * ROLLOUT_BYTES_PER_TOKEN
+    return Terms(host={"controller_round_trip_s": 2, "controller_round_trip_per_host_s": 2 * hosts},
+                 network={"dcn_s_per_byte": 2 * rollout_bytes, "dcn_latency_s": 2 * hosts})
+
+
+def weight_sync_terms(model: ModelSize, hardware: HardwareProfile, train_chips: int) -> Terms:
+    """DA: new weights from the train group to every rollout host, streamed in chunks.
+
+    Three links in a pipeline, so the slowest sets the time: the train chips copy their shards to host
+    memory (PCIe); the model crosses DCN once into every rollout host (a pipelined broadcast: rollout
+    hosts forward chunks to each other, so no NIC carries it more than about once); each rollout chip
+    takes 1/chips_per_host of it over PCIe and the host's chips all-gather the rest over ICI.
+    """
+    weight_bytes = model.params * hardware.bytes_per_value
+    links = {
+        "pcie_out": Terms(network={"pcie_s_per_byte": weight_bytes / train_chips}),
+        "dcn": Terms(network={"dcn_s_per_byte": weight_bytes}),
+        "pcie_in": Terms(network={"pcie_s_per_byte": weight_bytes / hardware.chips_per_host,
+                                  "ici_s_per_byte": weight_bytes}),
+    }
+    slowest = max(links.values(), key=lambda terms: terms.total(hardware))
+    return slowest + Terms(network={"dcn_latency_s": 1})
+
+
+# ---------------------------------------------------------------------------------------------------
+# A whole step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """Predicted time of one step. `breakdown` sums to `step_s` (DA's overlap enters it negatively)."""
+
+    placement: Placement
+    step_s: float
+    device_s: float
+    host_s: float
+    network_s: float
+    breakdown: Mapping[str, float]
+    critical_path: Terms  # the counts behind device/host/network, for calibration
+    rollout_share: float  # rollout phase (device + its dispatch) over the whole step
+    rollout_memory_bound: bool
+    rollout_tensor_parallel: int
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return {"device": self.device_s / self.step_s, "host": self.host_s / self.step_s,
+                "network": self.network_s / self.step_s}
+
+
+def estimate_step(model: ModelSize | ModelConfig, hardware: HardwareProfile, workload: WorkloadProfile,
+                  placement: Placement) -> StepEstimate:
+    """Predicted step time of `placement`; raises `InfeasiblePlacement` if the model does not fit."""
+    if isinstance(model, ModelConfig):
+        model = ModelSize.from_config(model)
+    if placement.mode == "da":
+        return _estimate_da(model, hardware, workload, placement)
+    return _estimate_colocated(model, hardware, workload, placement)
+
+
+def _estimate_colocated(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile,
+                        placement: Placement) -> StepEstimate:
+    """SC and CO: rollout, reward and training one after another on all chips."""
+    mode, chips, hosts = placement.mode, placement.chips, placement.hosts
+    rollout, shape = rollout_terms(model, hardware, workload, mode, chips, hosts, colocated_train_chips=chips,
+                                   busy_chips=chips)
+    if mode == "sc":  # every sample is scored on the controller after the gather
+        reward = reward_terms(workload, workload.samples)
+    else:
+        reward = host_local_reward_terms(hardware, workload, workload.samples / hosts, rollout.device_s)
+    phases: dict[str, Terms] = {
+        "rollout": rollout,
+        "reward": reward,
+        "train": train_terms(model, hardware, workload, mode, chips, hosts, busy_chips=chips),
+        "allreduce": all_reduce_terms(hardware, hardware.bytes_per_value * model.params, chips,
+                                      placement.chips_per_host),
+    }
+    if mode == "sc":
+        phases["controller_gather"] = controller_gather_terms(workload, hosts)
+    critical = sum(phases.values(), Terms())
+    breakdown = {name: terms.total(hardware) for name, terms in phases.items()}
+    return _finish(placement, hardware, critical, breakdown, shape, breakdown["rollout"])
+
+
+def _estimate_da(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile,
+                 placement: Placement) -> StepEstimate:
+    cph = placement.chips_per_host
+    rollout_hosts, train_hosts = placement.rollout_hosts, placement.train_hosts
+    rollout_chips, train_chips = rollout_hosts * cph, train_hosts * cph
+    # Both groups run at once, so on a shared machine they split it between all the chips.
+    rollout, shape = rollout_terms(model, hardware, workload, "da", rollout_chips, rollout_hosts,
+                                   colocated_train_chips=None, busy_chips=placement.chips)
+    reward = reward_terms(workload, workload.samples / rollout_hosts)
+    train = train_terms(model, hardware, workload, "da", train_chips, train_hosts, busy_chips=placement.chips)
+    allreduce = all_reduce_terms(hardware, hardware.bytes_per_value * model.params, train_chips, cph)
+    # The finished batch moves from the rollout hosts to the train hosts (each receives its share).
+    handoff_bytes = workload.samples * workload.seq_len * ROLLOUT_BYTES_PER_TOKEN / train_hosts
+    handoff = Terms(network={"dcn_s_per_byte": handoff_bytes, "dcn_latency_s": 1})
+    # The rollout hosts' CPUs score step t while their chips decode step t+1, so only the part of the
+    # scoring longer than the decode stays on the rollout branch.
+    rollout_s, reward_s = rollout.total(hardware), reward.total(hardware)
+    rollout_branch = reward if reward_s > rollout_s else rollout
+    train_branch = handoff + train + allreduce
+    weight_sync = weight_sync_terms(model, hardware, train_chips)
+    coordination = Terms(host={"ray_call_s": DA_CALLS_PER_STEP})
+
+    rollout_branch_s, train_branch_s = rollout_branch.total(hardware), train_branch.total(hardware)
+    longer = rollout_branch if rollout_branch_s >= train_branch_s else train_branch
+    critical = longer + weight_sync + coordination
+    breakdown = {
+        "rollout": rollout_s, "reward": rollout_branch_s - rollout_s,  # reward: the part decode does not hide
+        "handoff": handoff.total(hardware), "train": train.total(hardware),
+        "allreduce": allreduce.total(hardware), "weight_sync": weight_sync.total(hardware),
+        "coordination": coordination.total(hardware),
+        "overlap_hidden": -min(rollout_branch_s, train_branch_s),
+    }
+    return _finish(placement, hardware, critical, breakdown, shape, breakdown["rollout"])
+
+
+def _finish(placement: Placement, hardware: HardwareProfile, critical: Terms, breakdown: dict[str, float],
+            shape: RolloutShape, rollout_s: float) -> StepEstimate:
+    device_s, host_s, network_s = critical.seconds(hardware)
+    step_s = device_s + host_s + network_s
+    return StepEstimate(placement=placement, step_s=step_s, device_s=device_s, host_s=host_s,
+                        network_s=network_s, breakdown=breakdown, critical_path=critical,
+                        rollout_share=rollout_s / step_s, rollout_memory_bound=shape.memory_bound,
+                        rollout_tensor_parallel=shape.tensor_parallel)

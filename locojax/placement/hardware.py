@@ -1,0 +1,286 @@
+"""Hardware profiles for the placement cost model, registered by name in `HARDWARE`.
+
+A profile holds everything the step-time model needs to know about one kind of accelerator and the
+hosts it sits in: per-chip compute and memory (the roofline), the interconnects (ICI/NVLink inside an
+ICI domain, DCN between hosts, PCIe between a chip and its host), and the host-orchestration constants
+that separate the three coordination modes. Accelerator numbers come from shared/reference/FACTS.md
+(the source is named next to each); host-orchestration numbers come from the Pathways paper and the
+sglang-jax proxy measurements quoted there, or are marked as assumptions. Measured runs refine the
+host and network constants (`locojax.placement.calibration`), and `locojax probe` measures the
+`local-cpu` profile on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from locojax.registry import Registry
+
+GB = 1e9
+GiB = 2**30
+Gbps = 1e9 / 8  # bytes per second in one gigabit per second
+
+# Pathways (arXiv 2203.12533, section 5.1, quoted in FACTS.md): a single controller matches
+# multi-controller throughput only when each computation lasts >= 2.3 ms on 16 hosts or >= 35 ms on
+# 512 hosts, i.e. that is what one controller round trip costs. A straight line through the two points:
+#   round_trip(hosts) = 1.25 ms + 0.0659 ms * hosts.
+PATHWAYS_ROUND_TRIP_PER_HOST_S = (35e-3 - 2.3e-3) / (512 - 16)
+PATHWAYS_ROUND_TRIP_BASE_S = 2.3e-3 - 16 * PATHWAYS_ROUND_TRIP_PER_HOST_S
+
+# Host-local dispatch and sync of one computation in multi-controller JAX: dispatch itself is a few
+# microseconds (PITFALLS.md: jax.jit over split state ~5 us); a blocking fetch of a small result
+# adds a device-to-host round trip. Assumption: 50 us in total on TPU/GPU hosts.
+NATIVE_DISPATCH_S = 50e-6
+
+# Serving-style rollout engines on TPU/GPU (vLLM-TPU, sglang-jax) return to the host between decode
+# steps to schedule and check stop conditions; sglang-jax issue #772 (FACTS.md) shows that this
+# per-step host round trip is what the Pathways proxy slows down (44% of native decode speed), i.e.
+# the "short computations repeatedly invoked" of the paper's abstract. Assumption: the host is
+# consulted every 4 decode steps.
+SERVING_DECODE_TOKENS_PER_DISPATCH = 4
+
+# Ray actor method call with a small payload, as the DA driver makes a few per step.
+# Assumption (order of magnitude of Ray's documented task overhead): 1 ms.
+RAY_CALL_S = 1e-3
+
+# DCN round-trip latency between hosts in one data centre. Assumption: 20 us.
+DCN_LATENCY_S = 20e-6
+
+# scaling-book (FACTS.md, "Other constants"): ICI hop latency ~1 us; PCIe ~15 GB/s per chip.
+ICI_HOP_LATENCY_S = 1e-6
+PCIE_BANDWIDTH = 15 * GB
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator kind and its hosts. All rates are per chip unless the name says otherwise.
+
+    `shared_machine` marks the local CPU profile: every simulated chip runs on the same cores, so
+    the machine's FLOP/s and memory bandwidth are divided among the chips a run uses.
+    """
+
+    name: str
+    description: str
+    peak_flops: float  # dense bf16 FLOP/s per chip (float32 for local-cpu)
+    hbm_bytes: float  # accelerator memory per chip
+    hbm_bandwidth: float  # bytes/s per chip
+    ici_bandwidth: float  # bytes/s per chip inside an ICI (or NVLink) domain, both directions
+    ici_domain_chips: int  # chips reachable over ICI/NVLink; beyond them collectives cross DCN
+    dcn_bandwidth_per_chip: float  # bytes/s of host network per chip (a host has chips_per_host times this)
+    chips_per_host: int
+    train_mfu: float  # model FLOP utilisation of a training (and prefill) step, for wide models
+    ici_latency_s: float = ICI_HOP_LATENCY_S
+    dcn_latency_s: float = DCN_LATENCY_S
+    pcie_bandwidth: float = PCIE_BANDWIDTH  # chip <-> host memory, bytes/s per chip
+    bytes_per_value: int = 2  # rollout weights and KV cache in bf16 (float32 on local-cpu)
+    # Training FLOPs per parameter per token. Accelerators: full rematerialisation (8 N, FACTS.md
+    # "training FLOPs") plus a pass recomputing the behaviour policy's log-probs (2 N).
+    train_flops_per_param_token: float = 10.0
+    # Fixed device time per decode step and per training step, whatever the model size: loop and
+    # kernel-launch overhead that dominates tiny models on a CPU. Accelerators: assumed 0 (XLA fuses a
+    # step into few large kernels); `locojax probe` measures them for local-cpu.
+    decode_step_overhead_s: float = 0.0
+    train_step_overhead_s: float = 0.0
+    # Published MFU figures are for models at least this wide (Llama-3.1-8B, d_model 4096). Narrower
+    # models are assumed to reach proportionally less (`train_mfu * d_model / mfu_reference_width`):
+    # the per-token work that is not a large matmul (norms, activations, softmax, collective
+    # latency) shrinks only linearly with width while matmul FLOPs shrink quadratically. Assumption,
+    # no published small-model MFU; None switches it off.
+    mfu_reference_width: int | None = 4096
+    # Host orchestration (the constants calibration refits from measured runs).
+    dispatch_s: float = NATIVE_DISPATCH_S  # one host-local dispatch + sync (CO, DA)
+    controller_round_trip_s: float = PATHWAYS_ROUND_TRIP_BASE_S  # SC: one controller round trip ...
+    controller_round_trip_per_host_s: float = PATHWAYS_ROUND_TRIP_PER_HOST_S  # ... plus this per host
+    reward_cpu_scale: float = 1.0  # host CPU time of a reward relative to the workload's reference figure
+    ray_call_s: float = RAY_CALL_S  # DA: one driver -> actor call
+    decode_tokens_per_dispatch: int | None = SERVING_DECODE_TOKENS_PER_DISPATCH  # None: one loop per rollout
+    # How much KV cache a decode step reads: "ragged" (paged attention in serving engines: only the
+    # tokens each still-running sequence holds) or "dense" (static-shape JAX decode attends every
+    # cache slot under a mask, as locojax.rollout does).
+    decode_attention: str = "ragged"
+    shared_machine: bool = False
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive = ("peak_flops", "hbm_bytes", "hbm_bandwidth", "ici_bandwidth", "dcn_bandwidth_per_chip",
+                    "pcie_bandwidth", "train_mfu", "ici_domain_chips", "chips_per_host", "bytes_per_value",
+                    "train_flops_per_param_token")
+        for field in positive:
+            if not getattr(self, field) > 0:
+                raise ValueError(f"HardwareProfile.{field} must be positive, got {getattr(self, field)}")
+        non_negative = ("ici_latency_s", "dcn_latency_s", "dispatch_s", "controller_round_trip_s",
+                        "controller_round_trip_per_host_s", "reward_cpu_scale", "ray_call_s",
+                        "decode_step_overhead_s", "train_step_overhead_s")
+        for field in non_negative:
+            if getattr(self, field) < 0:
+                raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")
+        if self.train_mfu > 1:
+            raise ValueError(f"HardwareProfile.train_mfu must be at most 1, got {self.train_mfu}")
+        if self.decode_attention not in ("ragged", "dense"):
+            raise ValueError(f"HardwareProfile.decode_attention must be 'ragged' or 'dense', got {self.decode_attention!r}")
+        if self.decode_tokens_per_dispatch is not None and self.decode_tokens_per_dispatch < 1:
+            raise ValueError("HardwareProfile.decode_tokens_per_dispatch must be >= 1 or None")
+
+    def replace(self, **changes: Any) -> "HardwareProfile":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def dcn_bandwidth_per_host(self) -> float:
+        return self.dcn_bandwidth_per_chip * self.chips_per_host
+
+    @property
+    def critical_batch(self) -> float:
+        """Decode batch above which a step is compute-bound: FLOP/s over bytes/s (FACTS.md formulas)."""
+        return self.peak_flops / self.hbm_bandwidth
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["sources"] = dict(self.sources)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "HardwareProfile":
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware profile field(s): {', '.join(unknown)}")
+        return cls(**{key: value for key, value in data.items()})
+
+
+HARDWARE: Registry[HardwareProfile] = Registry("hardware profile")
+
+
+def _add(profile: HardwareProfile) -> HardwareProfile:
+    return HARDWARE.register(profile.name)(profile)
+
+
+# Source for rows below unless noted: FACTS.md "Accelerators (per chip)" table, which cites the Cloud
+# TPU documentation page of each generation and the jax-ml scaling-book GPU chapter. ICI domain sizes
+# are the public pod sizes (v5e/v6e 256, v5p 8960, Ironwood 9216 chips; not in FACTS.md): a slice up
+# to that size all-reduces over ICI. GPUs: one 8-GPU NVLink node. MFU: FACTS.md "Published MFU for
+# training" (MaxText), scaled down for narrow models (`mfu_reference_width`). The SC constants are the
+# Pathways fit above for every accelerator.
+
+_add(HardwareProfile(
+    name="tpu-v5e", description="Cloud TPU v5e (8 chips per host, 2D torus, 256-chip pods)",
+    peak_flops=197e12, hbm_bytes=16 * GB, hbm_bandwidth=819 * GB, ici_bandwidth=400 * GB,
+    ici_domain_chips=256, dcn_bandwidth_per_chip=2 * 100 * Gbps / 8, chips_per_host=8, train_mfu=0.45,
+    sources={"accelerator": "Cloud TPU docs, v5e page (FACTS.md)",
+             "dcn_bandwidth_per_chip": "2x100 Gbps NIC per 8-chip host (FACTS.md)",
+             "train_mfu": "assumed equal to MaxText v6e Llama-3.1-8B, 45% (FACTS.md); no published v5e figure",
+             "host": "Pathways 2203.12533 sec. 5.1 fit; native dispatch, decode granularity: assumptions"},
+))
+_add(HardwareProfile(
+    name="tpu-v5p", description="Cloud TPU v5p (4 chips per host, 3D torus)",
+    peak_flops=459e12, hbm_bytes=95 * GiB, hbm_bandwidth=2765 * GB, ici_bandwidth=1200 * GB,
+    ici_domain_chips=8960, dcn_bandwidth_per_chip=50 * Gbps, chips_per_host=4, train_mfu=0.65,
+    sources={"accelerator": "Cloud TPU docs, v5p page (FACTS.md)",
+             "train_mfu": "MaxText v5p Llama-3.1-70B, 65% (FACTS.md)",
+             "host": "Pathways 2203.12533 sec. 5.1 fit; native dispatch, decode granularity: assumptions"},
+))
+_add(HardwareProfile(
+    name="tpu-v6e", description="Cloud TPU v6e Trillium (4-chip hosts in multi-host slices, 2D torus)",
+    peak_flops=918e12, hbm_bytes=32 * GB, hbm_bandwidth=1638 * GB, ici_bandwidth=800 * GB,
+    ici_domain_chips=256, dcn_bandwidth_per_chip=100 * Gbps, chips_per_host=4, train_mfu=0.45,
+    sources={"accelerator": "Cloud TPU docs, v6e page (FACTS.md); HBM bandwidth also given as 1600/1640",
+             "train_mfu": "MaxText v6e Llama-3.1-8B, 45% (FACTS.md)",
+             "host": "Pathways 2203.12533 sec. 5.1 fit; native dispatch, decode granularity: assumptions"},
+))
+_add(HardwareProfile(
+    name="tpu-v7x", description="Cloud TPU7x Ironwood (4-chip VMs, 224 vCPU per host)",
+    peak_flops=2307e12, hbm_bytes=192 * GiB, hbm_bandwidth=7380 * GB, ici_bandwidth=1200 * GB,
+    ici_domain_chips=9216, dcn_bandwidth_per_chip=100 * Gbps, chips_per_host=4, train_mfu=0.45,
+    sources={"accelerator": "Cloud TPU docs, tpu7x page (FACTS.md)",
+             "train_mfu": "assumed equal to MaxText v6e Llama-3.1-8B, 45% (FACTS.md); no published v7x figure",
+             "host": "Pathways 2203.12533 sec. 5.1 fit; native dispatch, decode granularity: assumptions"},
+))
+_add(HardwareProfile(
+    name="h100", description="NVIDIA H100 SXM (8 GPUs per host on NVLink, 8x400 Gbps per host)",
+    peak_flops=989e12, hbm_bytes=80 * GB, hbm_bandwidth=3350 * GB, ici_bandwidth=2 * 450 * GB,
+    ici_domain_chips=8, dcn_bandwidth_per_chip=400 * Gbps, chips_per_host=8, train_mfu=0.40,
+    sources={"accelerator": "jax-ml scaling-book, GPUs chapter (FACTS.md); NVLink 450 GB/s per direction",
+             "train_mfu": "assumption, 40%; no GPU figure in FACTS.md",
+             "host": "single controller modelled with the Pathways fit; others: assumptions"},
+))
+_add(HardwareProfile(
+    name="h200", description="NVIDIA H200 (8 GPUs per host on NVLink, 8x400 Gbps per host)",
+    peak_flops=989e12, hbm_bytes=141 * GB, hbm_bandwidth=4800 * GB, ici_bandwidth=2 * 450 * GB,
+    ici_domain_chips=8, dcn_bandwidth_per_chip=400 * Gbps, chips_per_host=8, train_mfu=0.40,
+    sources={"accelerator": "jax-ml scaling-book, GPUs chapter (FACTS.md); NVLink 450 GB/s per direction",
+             "train_mfu": "assumption, 40%; no GPU figure in FACTS.md",
+             "host": "single controller modelled with the Pathways fit; others: assumptions"},
+))
+
+# The local CPU: a "chip" is one JAX CPU device, a "host" is one process (DESIGN.md section 2), and
+# every process shares this machine's cores. Defaults are for a 2-core machine of the kind in
+# PITFALLS.md; `locojax probe` measures the real values and writes them to a JSON file that
+# `load_local_cpu_profile` reads.
+LOCAL_CPU = HardwareProfile(
+    name="local-cpu", description="this machine's CPU cores; one process per simulated host",
+    # PITFALLS.md: an in-graph while_loop decoder at d_model 256, 4 layers, batch 64 ran ~5,000
+    # tokens/s, i.e. ~12.8 ms per step of ~0.55 GFLOP: ~43 GFLOP/s at the shapes the engine runs here
+    # (a large float32 matmul peaks at ~210 GFLOP/s on 2 cores, but the model's matmuls are small).
+    peak_flops=43e9,
+    hbm_bytes=4 * GB,  # assumption: what a test run may use of the machine's RAM
+    hbm_bandwidth=10 * GB,  # assumption: two cores streaming from DRAM; the probe measures it
+    ici_bandwidth=10 * GB,  # devices of one process exchange through shared memory
+    ici_domain_chips=1,  # assumption: one device per process; across processes is loopback "DCN"
+    dcn_bandwidth_per_chip=1 * GB,  # assumption: gloo over loopback TCP; the probe measures it
+    chips_per_host=1,
+    train_mfu=0.9,  # assumption: training reaches about the decode's effective rate; the probe measures it
+    ici_latency_s=10e-6,
+    dcn_latency_s=0.5e-3,  # PITFALLS.md: a small all-reduce across 2 processes costs ~0.5-2 ms (2 hops)
+    pcie_bandwidth=10 * GB,  # host memory is device memory on CPU: a copy at memory speed
+    dispatch_s=50e-6,  # PITFALLS.md: jax.jit over split state ~5 us to dispatch, plus the blocking fetch
+    # locojax.modes.sc: one process owns every simulated host's devices and dispatches each host's
+    # computation in turn from one Python thread, so a round trip is a local dispatch per host.
+    controller_round_trip_s=50e-6,  # assumption
+    controller_round_trip_per_host_s=50e-6,  # assumption
+    ray_call_s=1e-3,
+    bytes_per_value=4,  # the CPU engine computes in float32 (ModelConfig default)
+    train_flops_per_param_token=6.0,  # locojax.train: no remat; old log-probs come from the rollout
+    mfu_reference_width=None,  # the probe measures the rates at the sizes the CPU runs
+    decode_step_overhead_s=1e-3,  # assumption; the probe measures it (tiny vs small preset)
+    train_step_overhead_s=30e-3,  # assumption; the probe measures it
+    decode_tokens_per_dispatch=None,  # LoCoJAX's rollout is one lax.while_loop per rollout (DESIGN.md)
+    decode_attention="dense",  # locojax.rollout attends all prompt + max_new_tokens cache slots
+    shared_machine=True,
+    sources={"peak_flops": "PITFALLS.md (decoder tokens/s on 2 cores)",
+             "dcn_latency_s": "PITFALLS.md (2-process all-reduce)",
+             "dispatch_s": "PITFALLS.md (jax.jit dispatch)", "other": "assumptions until `locojax probe` runs"},
+)
+_add(LOCAL_CPU)
+
+
+def default_local_cpu_path() -> Path:
+    """Where `locojax probe` writes, and callers look for, the measured local profile."""
+    return Path.home() / ".locojax" / "local-cpu.json"
+
+
+def load_local_cpu_profile(path: str | Path) -> HardwareProfile:
+    """The `local-cpu` profile with the fields measured by `locojax probe` (a JSON object) applied.
+
+    Only keys that are profile fields are read; the probe also records raw measurements for humans.
+    """
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    profile_fields = data.get("profile", data)
+    if not isinstance(profile_fields, dict):
+        raise ValueError(f"{path}: expected a JSON object with a 'profile' mapping")
+    known = {field.name for field in dataclasses.fields(HardwareProfile)} - {"name"}
+    changes = {key: value for key, value in profile_fields.items() if key in known}
+    if "sources" in changes:
+        changes["sources"] = dict(changes["sources"])
+    return LOCAL_CPU.replace(**changes)
+
+
+def get_hardware(name: str, local_cpu_profile: str | Path | None = None) -> HardwareProfile:
+    """The profile called `name`; `local-cpu` takes measured values from `local_cpu_profile` when given."""
+    if name == "local-cpu" and local_cpu_profile is not None:
+        return load_local_cpu_profile(local_cpu_profile)
+    try:
+        return HARDWARE.get(name)
+    except KeyError as exc:
+        raise ValueError(f"hardware: {exc.args[0]}") from None

@@ -1,0 +1,331 @@
+"""Placement: catalog, cost model, the paper's findings, recommender, calibration, CLI and sweep.
+
+The paper-finding tests use the registered profiles exactly as shipped: no constant is changed per case.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from locojax.model.config import PRESETS, param_count
+from locojax.placement import (
+    HARDWARE,
+    WORKLOADS,
+    InfeasiblePlacement,
+    Placement,
+    PlacementRequest,
+    estimate_step,
+    load_local_cpu_profile,
+    recommend,
+)
+from locojax.placement import commands
+from locojax.placement.calibration import (
+    MeasuredRun,
+    Observation,
+    StepMeasurement,
+    calibrate,
+    calibrate_runs,
+    summarize,
+)
+from locojax.placement.cost_model import ModelSize, constant_values
+from locojax.placement.sweep import SWEEP_MODELS, run_sweep
+
+V7X = HARDWARE.get("tpu-v7x")
+SMALL_MODEL = "qwen3-0.6b"
+PAPER_WORKLOADS = ("gsm8k", "numina-cot", "math")
+
+
+def step(mode: str, chips: int, workload: str, fraction: float | None = None, model: str = SMALL_MODEL,
+         hardware=V7X):
+    placement = Placement(mode, chips, hardware.chips_per_host, fraction)
+    return estimate_step(PRESETS[model], hardware, WORKLOADS.get(workload), placement)
+
+
+# --- catalog -------------------------------------------------------------------------------------
+
+
+def test_catalog_names_and_sources():
+    assert set(HARDWARE.names()) == {"tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v7x", "h100", "h200", "local-cpu"}
+    assert {"gsm8k", "numina-cot", "math", "arith", "countdown"} <= set(WORKLOADS.names())
+    for name in HARDWARE:
+        assert HARDWARE.get(name).sources, f"{name} cites no source"
+    for name in WORKLOADS:
+        assert WORKLOADS.get(name).sources, f"{name} cites no source"
+
+
+@pytest.mark.parametrize("name,critical", [("tpu-v5e", 240), ("tpu-v5p", 166), ("tpu-v6e", 560),
+                                           ("tpu-v7x", 313), ("h100", 295), ("h200", 206)])
+def test_critical_batch_matches_scaling_book(name, critical):
+    # FACTS.md lists FLOPs/bandwidth per chip; a wrong peak or bandwidth shows up here.
+    assert HARDWARE.get(name).critical_batch == pytest.approx(critical, rel=0.03)
+
+
+def test_local_cpu_profile_reads_probe_output(tmp_path):
+    path = tmp_path / "local-cpu.json"
+    path.write_text(json.dumps({"profile": {"peak_flops": 1.5e11, "dispatch_s": 2e-5, "not_a_field": 1},
+                                "measurements": {"matmul_flops": 1.5e11}}))
+    profile = load_local_cpu_profile(path)
+    assert profile.name == "local-cpu"
+    assert profile.peak_flops == 1.5e11 and profile.dispatch_s == 2e-5
+    assert profile.hbm_bandwidth == HARDWARE.get("local-cpu").hbm_bandwidth  # untouched fields keep defaults
+
+
+# --- cost model ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,fraction", [("sc", None), ("co", None), ("da", 0.25), ("da", 0.75)])
+@pytest.mark.parametrize("workload", ["gsm8k", "numina-cot"])
+def test_breakdown_and_split_add_up_to_the_step(mode, fraction, workload):
+    estimate = step(mode, 64, workload, fraction)
+    assert sum(estimate.breakdown.values()) == pytest.approx(estimate.step_s, rel=1e-9)
+    assert estimate.device_s + estimate.host_s + estimate.network_s == pytest.approx(estimate.step_s, rel=1e-9)
+    assert min(estimate.device_s, estimate.host_s, estimate.network_s) >= 0
+
+
+def test_small_model_decode_is_memory_bound_and_large_model_needs_tensor_parallel():
+    assert step("co", 64, "gsm8k").rollout_memory_bound
+    assert step("co", 64, "gsm8k").rollout_tensor_parallel == 1
+    assert step("co", 64, "gsm8k", model="llama-3.1-405b").rollout_tensor_parallel > 1
+
+
+def test_model_that_does_not_fit_is_infeasible():
+    with pytest.raises(InfeasiblePlacement, match="does not fit"):
+        step("co", 8, "gsm8k", model="llama-3.1-405b")
+
+
+def test_single_controller_cost_grows_with_hosts():
+    # The Pathways round trip is linear in the host count; CO's dispatch is host-local.
+    sc = [step("sc", chips, "gsm8k").host_s for chips in (8, 16, 32, 64)]
+    co = [step("co", chips, "gsm8k").host_s for chips in (8, 16, 32, 64)]
+    assert sc == sorted(sc) and sc[-1] > 1.3 * sc[0]
+    assert max(co) < min(sc)
+
+
+# --- the paper's findings (FACTS.md, last section) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v7x_sweep():
+    return run_sweep(V7X, WORKLOADS.get("gsm8k"))
+
+
+def test_sc_at_0_6b_spends_about_a_third_on_host_orchestration(v7x_sweep):
+    point = next(p for p in v7x_sweep.series("sc") if p.model == SMALL_MODEL)
+    assert 0.30 <= point.host_share <= 0.42
+    assert point.network_share <= 0.05
+
+
+def test_host_share_falls_with_size_and_network_dominates_large_models(v7x_sweep):
+    sc = sorted(v7x_sweep.series("sc"), key=lambda p: p.params)
+    host_shares = [p.host_share for p in sc]
+    assert host_shares == sorted(host_shares, reverse=True)
+    large = [p for p in sc if p.params >= 70e9]
+    assert large, "the sweep must include the 70B and 405B models"
+    for point in large:
+        assert point.network_share > point.host_share, point.model
+
+
+@pytest.mark.parametrize("workload", PAPER_WORKLOADS)
+def test_co_is_1_3_to_3_6_times_faster_than_sc_at_8_to_64_chips(workload):
+    speedups = [step("sc", chips, workload).step_s / step("co", chips, workload).step_s for chips in (8, 16, 32, 64)]
+    assert all(1.3 <= s <= 3.6 for s in speedups), speedups
+    assert speedups == sorted(speedups)  # more hosts, more controller round trips
+
+
+def test_gsm8k_co_on_8_chips_beats_sc_on_64():
+    assert step("co", 8, "gsm8k").step_s < step("sc", 64, "gsm8k").step_s
+
+
+def test_da_with_three_quarters_rollout_hosts_wins_on_numina_at_256_chips():
+    co = step("co", 256, "numina-cot")
+    da = step("da", 256, "numina-cot", 0.75)
+    assert 0.10 <= 1 - da.step_s / co.step_s <= 0.20
+    choice = recommend(PlacementRequest(model=SMALL_MODEL, hardware="tpu-v7x", chips=256,
+                                        workload="numina-cot")).choice
+    assert (choice.mode, choice.chips, choice.rollout_fraction) == ("da", 256, 0.75)
+
+
+def test_da_does_not_beat_co_on_gsm8k():
+    co = step("co", 256, "gsm8k")
+    for fraction in (0.25, 0.375, 0.5, 0.625, 0.75, 0.875):
+        assert step("da", 256, "gsm8k", fraction).step_s > co.step_s, fraction
+    assert recommend(PlacementRequest(model=SMALL_MODEL, hardware="tpu-v7x", chips=256,
+                                      workload="gsm8k")).choice.mode == "co"
+
+
+# --- recommender ---------------------------------------------------------------------------------
+
+
+def test_recommendation_is_ranked_and_explained():
+    result = recommend(PlacementRequest(model=SMALL_MODEL, hardware="tpu-v7x", chips=64, workload="gsm8k"))
+    times = [option.step_time_s for option in result.options]
+    assert result.choice == result.options[0]
+    assert times[1:] == sorted(times[1:]) and times[0] <= times[1] * 1.01
+    assert {option.mode for option in result.options} == {"sc", "co", "da"}
+    assert any(character.isdigit() for character in result.reason) and "%" in result.reason
+    assert result.reason.endswith(".") and "\n" not in result.reason
+    assert json.loads(result.model_dump_json())["choice"]["mode"] == result.choice.mode
+
+
+def test_request_overrides_reach_the_workload():
+    request = PlacementRequest(model=SMALL_MODEL, hardware="tpu-v7x", chips=8, workload="gsm8k", gen_len=64,
+                               prompts_per_step=4)
+    workload = request.workload_profile()
+    assert (workload.gen_len, workload.prompts_per_step, workload.gen_len_mean) == (64, 4, 64)
+    longer = recommend(request.model_copy(update={"gen_len": 2048}))
+    assert recommend(request).choice.step_time_s < longer.choice.step_time_s
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"model": "qwen9-1t"}, "model"),
+    ({"hardware": "tpu-v9"}, "hardware"),
+    ({"workload": "chess"}, "workload"),
+    ({"chips": 6}, "chips_per_host"),
+    ({"chips": 8, "chips_per_host": 3}, "chips_per_host"),
+    ({"gen_len": 0}, "gen_len"),
+    ({"prompt_len": 0}, "prompt_len"),
+    ({"chips": 0}, "chips"),
+    ({"colour": "red"}, "colour"),
+])
+def test_bad_requests_name_the_field(changes, field):
+    fields = {"model": SMALL_MODEL, "hardware": "tpu-v7x", "chips": 8, "workload": "gsm8k", **changes}
+    with pytest.raises(ValueError, match=field):
+        PlacementRequest(**fields)
+
+
+def test_model_too_large_for_the_budget_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not fit"):
+        recommend(PlacementRequest(model="llama-3.1-405b", hardware="tpu-v5e", chips=8, workload="gsm8k"))
+
+
+def test_recommend_uses_a_given_profile():
+    measured = HARDWARE.get("local-cpu").replace(peak_flops=1e12)
+    request = PlacementRequest(model="tiny", hardware="local-cpu", chips=2, workload="arith")
+    assert recommend(request, measured).choice.step_time_s < recommend(request).choice.step_time_s
+    with pytest.raises(ValueError, match="does not match"):
+        recommend(request, V7X)
+
+
+# --- calibration ---------------------------------------------------------------------------------
+
+# What the fit must recover on the local CPU (one device per process: cross-process traffic is "DCN").
+FITTED = ("dispatch_s", "controller_round_trip_s", "controller_round_trip_per_host_s", "reward_cpu_scale",
+          "ray_call_s", "dcn_s_per_byte", "dcn_latency_s")
+
+
+def _synthetic_observations(truth):
+    observations = []
+    for workload_name, prompts in (("arith", 32), ("arith", 128), ("gsm8k", 8)):
+        workload = WORKLOADS.get(workload_name).replace(prompts_per_step=prompts, prompt_len=32, gen_len=16,
+                                                        gen_len_mean=12)
+        for mode, hosts, fraction in (("co", 2, None), ("co", 4, None), ("sc", 2, None), ("sc", 4, None),
+                                      ("da", 2, 0.5), ("da", 4, 0.5)):
+            placement = Placement(mode, hosts, 1, fraction)
+            estimate = estimate_step(PRESETS["tiny"], truth, workload, placement)
+            measured = StepMeasurement(step_s=estimate.step_s, device_s=estimate.device_s, host_s=estimate.host_s,
+                                       network_s=estimate.network_s, steps=10)
+            observations.append(Observation(ModelSize.from_config(PRESETS["tiny"]), workload, placement, measured))
+    return observations
+
+
+TRUTH = HARDWARE.get("local-cpu").replace(
+    dispatch_s=3e-4, controller_round_trip_s=2e-3, controller_round_trip_per_host_s=7e-4, reward_cpu_scale=2.5,
+    ray_call_s=4e-3, dcn_bandwidth_per_chip=0.3e9, dcn_latency_s=1.5e-3)
+
+
+def test_calibration_recovers_known_constants():
+    start = HARDWARE.get("local-cpu")
+    result = calibrate(start, _synthetic_observations(TRUTH))
+    truth = constant_values(TRUTH)
+    for name in FITTED:
+        assert result.constants[name] == pytest.approx(truth[name], rel=0.05), name
+    assert result.after.step < 1e-3 < result.before.step
+    assert result.after.host < 1e-3 and result.after.network < 1e-3
+
+
+def _write_run(directory, spec, estimate, steps=5):
+    directory.mkdir()
+    (directory / "spec.yaml").write_text(yaml.safe_dump(spec))
+    lines = []
+    for number in range(steps):
+        compile_s = 10.0 if number == 0 else 0.0  # the first step compiles and must be skipped
+        for host in (0, 1, "all"):
+            lines.append(json.dumps({"step": number, "host": host, "time/step": estimate.step_s + compile_s,
+                                     "time/device": estimate.device_s + compile_s, "time/host": estimate.host_s,
+                                     "time/network": estimate.network_s, "reward/mean": 0.5}))
+    (directory / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_calibration_from_run_directories_and_records(tmp_path):
+    runs = []
+    for index, (mode, fraction) in enumerate((("co", None), ("sc", None), ("da", 0.5))):
+        spec = {"name": f"run{index}", "model": {"preset": "tiny"}, "task": {"name": "arith"},
+                "rollout": {"prompts_per_step": 32, "group_size": 8, "max_prompt_tokens": 16, "max_new_tokens": 8},
+                "placement": {"mode": mode, "hosts": 2, "devices_per_host": 1, "rollout_fraction": fraction}}
+        workload = WORKLOADS.get("arith").replace(prompts_per_step=32, prompt_len=16, gen_len=8, gen_len_mean=4)
+        estimate = estimate_step(PRESETS["tiny"], TRUTH, workload, Placement(mode, 2, 1, fraction))
+        _write_run(tmp_path / f"run{index}", spec, estimate)
+        runs.append(tmp_path / f"run{index}")
+    records = [json.loads(line) for line in (tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()]
+    direct = MeasuredRun.from_records(yaml.safe_load((tmp_path / "run0" / "spec.yaml").read_text()), records)
+    result = calibrate_runs(HARDWARE.get("local-cpu"), [*runs, direct])
+    assert result.observations == 4
+    assert result.after.step < 0.01 < result.before.step
+
+
+def test_summarize_skips_compile_and_prefers_aggregated_rows():
+    records = [{"step": 0, "host": "all", "time/step": 9.0}, {"step": 1, "host": 0, "time/step": 5.0},
+               {"step": 1, "host": "all", "time/step": 1.0}, {"step": 2, "host": "all", "time/step": 3.0}]
+    summary = summarize(records)
+    assert summary.step_s == 2.0 and summary.steps == 2 and math.isnan(summary.host_s)
+    with pytest.raises(ValueError, match="time/step"):
+        summarize([{"step": 0, "host": "all"}, {"step": 1, "host": "all"}])
+
+
+# --- CLI and sweep ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli():
+    app = typer.Typer()
+    commands.register(app)
+    return app
+
+
+def test_cli_recommend_json_and_table(cli):
+    runner = CliRunner()
+    args = ["recommend", "--model", SMALL_MODEL, "--hardware", "tpu-v7x", "--chips", "64", "--workload", "gsm8k"]
+    result = runner.invoke(cli, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["choice"] == payload["options"][0] and payload["reason"]
+    table = runner.invoke(cli, args)
+    assert table.exit_code == 0 and "choice:" in table.output
+
+
+def test_cli_recommend_bad_input_exits_2(cli):
+    result = CliRunner().invoke(cli, ["recommend", "--model", "nope", "--hardware", "tpu-v7x", "--chips", "6",
+                                      "--workload", "gsm8k"])
+    assert result.exit_code == 2
+    assert "model" in result.output and "nope" in result.output
+
+
+def test_cli_sweep_writes_png_and_json(cli, tmp_path):
+    result = CliRunner().invoke(cli, ["sweep", "--hardware", "tpu-v7x", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "sweep-tpu-v7x.json").read_text())
+    assert [p["model"] for p in data["points"] if p["mode"] == "sc"] == list(SWEEP_MODELS)
+    assert (tmp_path / "sweep-tpu-v7x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_gives_big_models_the_chips_they_need(v7x_sweep):
+    chips = {p.model: p.chips for p in v7x_sweep.points}
+    assert chips[SMALL_MODEL] == 8 and chips["llama-3.1-405b"] > 8
+    assert param_count(PRESETS["llama-3.1-405b"]) == next(p.params for p in v7x_sweep.points
+                                                          if p.model == "llama-3.1-405b")
