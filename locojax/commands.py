@@ -51,8 +51,13 @@ def train(
         return
     configure_jax(placement.devices_per_host if placement.mode == "co" else placement.hosts * placement.devices_per_host)
     from locojax.modes import run_mode
+    from locojax.modes.da import DAError
 
-    result = run_mode(spec, resume=resume, console=not quiet)
+    try:
+        result = run_mode(spec, resume=resume, console=not quiet)
+    except DAError as exc:
+        typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"{spec.name}: {result.status} after {result.steps_done} steps")
 
 
@@ -95,13 +100,14 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     import tempfile
 
     from locojax.launch import LaunchError, launch
+    from locojax.modes.co import output_dir
     from locojax.spec import dump_spec
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         handle.write(dump_spec(spec))
     extra = (["--resume"] if resume else []) + (["--quiet"] if quiet else [])
     try:
-        launch(handle.name, hosts, devices_per_host, extra)
+        launch(handle.name, hosts, devices_per_host, extra, status_dir=output_dir(spec))
     except LaunchError as exc:
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(1) from None

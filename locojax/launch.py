@@ -79,11 +79,22 @@ class _suppress_lookup:
         return exc_type is ProcessLookupError
 
 
+def _where(status_dir: Path | None, host: int) -> str:
+    if status_dir is None:
+        return ""
+    from locojax.modes.co import read_host_status
+
+    status = read_host_status(status_dir, host)
+    return f" during {status['phase']} of step {status['step']}" if status else " during start-up"
+
+
 def launch(spec_path: str | Path, hosts: int, devices_per_host: int = 1, extra: Sequence[str] = (),
-           poll_s: float = 0.05, log_dir: str | Path | None = None) -> list[int]:
+           poll_s: float = 0.05, log_dir: str | Path | None = None, status_dir: str | Path | None = None) -> list[int]:
     """Run `hosts` host processes to completion; returns their exit codes (all 0 on success).
 
-    Raises LaunchError naming the first host that failed, after stopping the others.
+    Raises LaunchError naming the first host that failed (and, given `status_dir`, the phase it was
+    in: the run's output directory, where hosts record their step and phase), after stopping the
+    others.
     """
     coordinator = f"127.0.0.1:{free_port()}"
     started: list[HostProcess] = []
@@ -113,7 +124,8 @@ def launch(spec_path: str | Path, hosts: int, devices_per_host: int = 1, extra: 
                 host, code = failed[0]
                 _stop(started)
                 reason = f"signal {-code}" if code < 0 else f"exit status {code}"
-                raise LaunchError(f"host {host.index} (pid {host.process.pid}) failed with {reason}; "
+                where = _where(Path(status_dir) if status_dir else None, host.index)
+                raise LaunchError(f"host {host.index} (pid {host.process.pid}) failed with {reason}{where}; "
                                   f"stopped the other {hosts - 1} host(s)")
             if all(code == 0 for code in codes):
                 return [0] * hosts

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -73,6 +74,28 @@ def make_logger(spec: RunSpec, out: Path, host: int, start_step: int, console: b
     return m.MetricsLogger(sinks)
 
 
+class HostStatus:
+    """Where this host is (step, phase), in `<output_dir>/hosts/host<i>.json`, so that when a host
+    dies the launcher or worker can say in which phase it was lost."""
+
+    def __init__(self, out: Path, host: int):
+        self.host = host
+        self.path = out / "hosts" / f"host{host}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, step: int, phase: str) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"host": self.host, "step": step, "phase": phase, "pid": os.getpid()}))
+        tmp.replace(self.path)  # atomic: a reader never sees half a file
+
+
+def read_host_status(out: Path, host: int) -> dict | None:
+    try:
+        return json.loads((out / "hosts" / f"host{host}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def cancel_requested(cancel_file: str | Path | None) -> bool:
     return cancel_file is not None and Path(cancel_file).exists()
 
@@ -108,12 +131,14 @@ def run_co(
 
     logger = make_logger(spec, out, host, trainer.start_step, console, extra_sinks)
     timer = m.PhaseTimer()
+    where = HostStatus(out, host)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
     status, steps_done, combined = "succeeded", trainer.start_step, {}
     try:
         for step in range(trainer.start_step, spec.steps):
             with timer.step():
-                with timer.phase(m.TIME_ROLLOUT) as rollout_span:
+                where(step, "rollout")
+                with timer.phase(m.TIME_ROLLOUT):
                     examples = prompts_for(trainer.task, spec, step, host, num_hosts)
                     with timer.device() as span:
                         local_params = to_local(trainer.state.params, runner.replicated)
@@ -122,10 +147,12 @@ def run_co(
                         span.ready(result)
                     completions = runner.completions(result)
                 rollout_s = timer.last_phase(m.TIME_ROLLOUT)
+                where(step, "reward")
                 rewards, per_fn, advantages = score_and_normalise(
                     spec, trainer.task, examples, completions, pool, timer)
                 piece = HostRollout(examples, tokens, mask, result, completions, rewards, per_fn, advantages)
                 rows = piece.batch()
+                where(step, "train")
                 if use_kl:
                     with timer.device(m.TIME_TRAIN) as span:
                         rows["ref_logprobs"] = np.asarray(span.ready(reference_logprobs(
@@ -133,8 +160,10 @@ def run_co(
                 with timer.device(m.TIME_TRAIN) as span:
                     trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch(rows))
                     span.ready(trainer.state)
+                where(step, "checkpoint")
                 with timer.phase(m.TIME_CHECKPOINT):
                     trainer.checkpoint(spec, force=step + 1 == spec.steps)
+                where(step, "metrics")
                 record = {**piece.metrics(spec.rollout.group_size, rollout_s, trainer.policy.tokenizer.eos_id),
                           **jax.device_get(train_metrics)}
                 record[CHECKSUM_KEY] = params_checksum(trainer.state.params)

@@ -1,0 +1,101 @@
+"""SC and DA next to CO: same kernels, DA staleness, failures that end runs quickly, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from locojax import metrics as m
+from tests.locojax.test_co import ROOT, assert_trees_close, checkpoint_params, locojax, tiny_spec, write_spec
+
+
+def _processes(pattern: str) -> list[int]:
+    done = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return [int(pid) for pid in done.stdout.split() if int(pid) != os.getpid()]
+
+
+@pytest.mark.multiprocess
+def test_sc_trains_to_the_same_params_as_co(tmp_path):
+    """Same kernels: a single controller over 2 devices and 2 CO hosts reach the same params."""
+    sc = write_spec(tmp_path, tiny_spec(tmp_path, "sc", placement={"mode": "sc", "hosts": 2}))
+    co = write_spec(tmp_path, tiny_spec(tmp_path, "co", placement={"mode": "co", "hosts": 2}))
+    for spec in (sc, co):
+        done = locojax("train", str(spec), "--quiet")
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_trees_close(checkpoint_params(tmp_path / "sc", 3), checkpoint_params(tmp_path / "co", 3), atol=1e-5)
+    assert not _processes("locojax.cli host")
+
+
+@pytest.mark.multiprocess
+def test_da_samples_batch_t_plus_1_with_exactly_theta_t(tmp_path):
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, "da", steps=5,
+                                          placement={"mode": "da", "hosts": 2, "rollout_fraction": 0.5}))
+    done = locojax("train", str(spec), "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["step"]: r for r in m.read_jsonl(tmp_path / "da" / "metrics.jsonl") if r["host"] == "all"}
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    # Batch 0 and 1 are sampled with θ0; batch s (s >= 2) with θ_{s-1}, the params after train step s-2.
+    assert rows[0]["da/rollout_checksum"] == rows[1]["da/rollout_checksum"]
+    assert rows[0]["da/staleness"] == 0 and all(rows[s]["da/staleness"] == 1 for s in range(1, 5))
+    for s in range(2, 5):
+        assert rows[s]["da/rollout_checksum"] == rows[s - 2]["params/checksum"]
+        assert rows[s]["da/rollout_version"] == s - 1
+    assert len({rows[s]["params/checksum"] for s in range(5)}) == 5, "every step should move the params"
+    for key in (m.TIME_WEIGHT_SYNC, m.DA_ROLLOUT_IDLE, m.DA_TRAIN_IDLE):
+        assert key in rows[3]
+    # Ray is gone: no raylet, GCS or worker left, and nothing written to the home directory.
+    assert not _processes("raylet") and not _processes("gcs_server") and not _processes("ray::")
+    assert not (Path.home() / ".ray").exists() or not any((Path.home() / ".ray").glob("*token*"))
+
+
+def _start(args, tmp_path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "locojax.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_step(metrics: Path, step: int, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and any(r["step"] >= step for r in m.read_jsonl(metrics)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"run did not reach step {step}")
+
+
+@pytest.mark.multiprocess
+def test_co_host_failure_ends_the_run_naming_host_and_phase(tmp_path):
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, "co-fail", steps=200, placement={"hosts": 2}))
+    process = _start(["train", str(spec), "--quiet"], tmp_path)
+    _wait_for_step(tmp_path / "co-fail" / "metrics.jsonl", 1, process)
+    victim = [pid for pid in _processes("locojax.cli host") if "--process-id 1" in
+              Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()][0]
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert process.returncode != 0
+    assert "host 1" in stderr and "signal 9" in stderr and " during " in stderr
+    assert not _processes("locojax.cli host")
+
+
+@pytest.mark.multiprocess
+def test_da_rollout_host_failure_ends_the_run_naming_host_and_phase(tmp_path):
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, "da-fail", steps=200,
+                                          placement={"mode": "da", "hosts": 2, "rollout_fraction": 0.5}))
+    process = _start(["train", str(spec), "--quiet"], tmp_path)
+    _wait_for_step(tmp_path / "da-fail" / "metrics.jsonl", 1, process)
+    victim = _processes("ray::RolloutHost")[0]
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert process.returncode != 0
+    assert "rollout host 0" in stderr and ("rollout of step" in stderr or "weight load" in stderr)
+    time.sleep(1)
+    assert not _processes("raylet") and not _processes("gcs_server")
