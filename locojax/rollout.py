@@ -1,0 +1,280 @@
+"""Rollout: one jitted function per (batch, prompt length, sampling config) that samples completions.
+
+Prefill writes the left-padded prompts into a per-layer KV cache; a `lax.while_loop` then decodes
+one token per iteration until every row has emitted EOS or `max_new_tokens` is reached. The whole
+loop runs inside one XLA computation, so the host pays one dispatch per rollout, not one per token
+(STYLE habit 2). The decode state is a single `DecodeState` pytree carried by the loop. Because
+the state (KV cache included) is created inside the computation and is the loop's carry, XLA
+updates it in place with no buffer to donate across the call boundary — the effect Tunix gets by
+donating its state to separate prefill and decode jits, without the second dispatch.
+
+Data parallel over the host's *local* devices only: the batch is sharded over a 1-D mesh of
+`jax.local_devices()` (params replicated), so a rollout never causes cross-host traffic
+(DESIGN §5 step 2).
+
+Log-prob convention (verl, TRL): `logprobs[b, i] = log softmax(logits / T)[token]` — the tempered
+distribution *before* top-k/top-p truncation, so a trainer recomputes it exactly from a forward
+pass with the same temperature. At T = 0 (greedy) it is `log softmax(logits)[token]`.
+
+Shapes: B batch (prompts x group size), P prompt slots, N max new tokens, S = P + N - 1 cache
+slots, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from locojax.model import Cache, ModelConfig, forward, init_cache, positions_from_mask
+from locojax.tokenizer import Tokenizer, pad_left
+
+if TYPE_CHECKING:
+    from locojax.spec import RolloutSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick tokens. `eos_id=None` never stops early (benchmarks: every row decodes N tokens)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    eos_id: int | None = 257
+    pad_id: int = 258
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_spec(cls, rollout: "RolloutSpec", tokenizer: Tokenizer) -> "SamplingConfig":
+        """From a `locojax.spec.RolloutSpec` and the run's tokenizer (for EOS and PAD)."""
+        return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+                   top_k=rollout.top_k, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+
+
+@flax.struct.dataclass
+class RolloutResult:
+    tokens: jax.Array  # [B, N] int32: sampled tokens, pad_id after EOS
+    logprobs: jax.Array  # [B, N] float32: log softmax(logits / T) of each sampled token; 0 where not mask
+    mask: jax.Array  # [B, N] bool: completion tokens, the EOS included
+    lengths: jax.Array  # [B] int32: completion lengths (= mask.sum(-1))
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries from one token to the next."""
+
+    step: jax.Array  # [] int32: tokens sampled so far; the next one goes to column `step`
+    cache: Cache  # per layer (k, v), each [B, S, K, Dh]
+    kv_mask: jax.Array  # [B, S] bool: cache slots holding real tokens
+    last_token: jax.Array  # [B] int32: the token to feed next (sampled, not yet in the cache)
+    position: jax.Array  # [B] int32: rotary position of last_token
+    tokens: jax.Array  # [B, N] int32
+    logprobs: jax.Array  # [B, N] float32
+    done: jax.Array  # [B] bool: the row has emitted EOS
+    key: jax.Array  # PRNG key for the remaining steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: pure functions of logits, shared by the decode loop and the distribution tests.
+
+
+def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Set logits outside the top-k, then outside the top-p nucleus, to -inf. logits: [B, V].
+
+    Top-p keeps the smallest set of most likely tokens whose (top-k renormalised) mass reaches
+    `top_p`; the most likely token is always kept. Ties at a threshold are all kept.
+    """
+    vocab = logits.shape[-1]
+    use_top_k = 0 < top_k < vocab
+    if not use_top_k and top_p >= 1.0:
+        return logits
+    if top_p >= 1.0:  # top-k alone needs only the k-th largest value, not a full sort
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        return jnp.where(logits >= kth, logits, -jnp.inf)
+    descending = -jnp.sort(-logits, axis=-1)  # [B, V]
+    if use_top_k:
+        descending = jnp.where(jnp.arange(vocab) < top_k, descending, -jnp.inf)
+    probs = jax.nn.softmax(descending, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+    keep = mass_before < top_p
+    threshold = jnp.min(jnp.where(keep, descending, jnp.inf), axis=-1, keepdims=True)  # [B, 1]
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """One token per row and its log-prob (see the module docstring). logits: [B, V] float32."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+        scaled = logits
+    else:
+        scaled = logits / sampling.temperature
+        tokens = jax.random.categorical(key, truncate_logits(scaled, sampling.top_k, sampling.top_p), axis=-1)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens.astype(jnp.int32), logprobs
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys, meshes, prompt helpers.
+
+
+_ROLLOUT_STREAM = 0x5A3D  # keeps rollout noise apart from any other use of PRNGKey(seed)
+
+
+def rollout_key(seed: int, step: int, host: int) -> jax.Array:
+    """The sampling key of (seed, step, host): distinct for every step and host, same on a restart.
+
+    An "rbg" key: its random bits come from XLA's RngBitGenerator, which compiles ~5x faster on
+    CPU than the default threefry bits (seconds per sampling site here). Its values depend on how
+    the batch is sharded, which is fixed for a run, so restarts still repeat themselves exactly.
+    """
+    key = jax.random.fold_in(jax.random.key(seed, impl="rbg"), _ROLLOUT_STREAM)
+    return jax.random.fold_in(jax.random.fold_in(key, step), host)
+
+
+def rollout_mesh(batch: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """1-D ("data",) mesh over this host's devices: the most of them that divide `batch` evenly."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    count = max(d for d in range(1, len(devices) + 1) if batch % d == 0)
+    # Auto axis types: this jax defaults make_mesh to Explicit, which rejects the model's
+    # replicated-weights contractions (PITFALLS.md).
+    return Mesh(np.array(devices[:count]), ("data",), axis_types=(AxisType.Auto,))
+
+
+def repeat_groups(array: np.ndarray, group_size: int) -> np.ndarray:
+    """Each row `group_size` times in a row ([B, ...] -> [B * G, ...]): one GRPO group per prompt."""
+    return np.repeat(array, group_size, axis=0)
+
+
+def encode_prompts(prompts: Sequence[str], tokenizer: Tokenizer, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """BOS + prompt text, left-padded (and left-truncated) to `prompt_len`: tokens, mask [B, P]."""
+    return pad_left([tokenizer.encode(p, add_bos=True) for p in prompts], prompt_len, tokenizer.pad_id)
+
+
+def decode_completions(result: RolloutResult, tokenizer: Tokenizer) -> list[str]:
+    """Completion texts (EOS and padding dropped) from a rollout result."""
+    tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
+    return [tokenizer.decode(row[:length]) for row, length in zip(tokens, lengths)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The jitted generate function.
+
+
+def _completion_mask(tokens: jax.Array, eos_id: int | None) -> tuple[jax.Array, jax.Array]:
+    """mask [B, N] (up to and including the first EOS) and lengths [B]."""
+    n = tokens.shape[1]
+    if eos_id is None:
+        lengths = jnp.full(tokens.shape[:1], n, jnp.int32)
+    else:
+        is_eos = tokens == eos_id
+        lengths = jnp.where(is_eos.any(axis=-1), jnp.argmax(is_eos, axis=-1) + 1, n).astype(jnp.int32)
+    return jnp.arange(n)[None, :] < lengths[:, None], lengths
+
+
+def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, config: ModelConfig,
+              sampling: SamplingConfig, batch_sharding: NamedSharding) -> RolloutResult:
+    batch, prompt_len = prompt_tokens.shape
+    n = sampling.max_new_tokens
+    slots = prompt_len + n - 1  # the last sampled token is never fed back into the cache
+    eos = -1 if sampling.eos_id is None else sampling.eos_id  # -1 never matches a token id
+
+    def constrain(tree):
+        return jax.lax.with_sharding_constraint(tree, batch_sharding)
+
+    # Prefill: the whole prompt in one pass, writing slots [0, P) of the cache.
+    cache = constrain(init_cache(config, batch, slots))
+    kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, slots - prompt_len), bool)], axis=1)  # [B, S]
+    logits, cache = forward(graphdef, params, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache, 0)
+    key, step_key = jax.random.split(key)
+    first, first_logprob = sample_tokens(logits[:, -1], step_key, sampling)  # left padding: last slot is real
+
+    state = DecodeState(
+        step=jnp.array(1, jnp.int32),
+        cache=cache,
+        kv_mask=kv_mask,
+        last_token=first,
+        position=prompt_mask.sum(axis=-1).astype(jnp.int32),  # the prompt used positions [0, len)
+        tokens=constrain(jnp.full((batch, n), sampling.pad_id, jnp.int32).at[:, 0].set(first)),
+        logprobs=constrain(jnp.zeros((batch, n), jnp.float32).at[:, 0].set(first_logprob)),
+        done=first == eos,
+        key=key,
+    )
+
+    def keep_going(state: DecodeState) -> jax.Array:
+        return (state.step < n) & ~jnp.all(state.done)
+
+    def decode_one(state: DecodeState) -> DecodeState:
+        slot = prompt_len + state.step - 1  # where last_token goes in the cache
+        kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((batch, 1), bool), (0, slot))
+        logits, cache = forward(graphdef, params, state.last_token[:, None], state.position[:, None], kv_mask,
+                                state.cache, slot)
+        key, step_key = jax.random.split(state.key)
+        token, logprob = sample_tokens(logits[:, 0], step_key, sampling)
+        # Rows that already finished keep emitting padding (their work is wasted but shapes stay static).
+        token = jnp.where(state.done, sampling.pad_id, token)
+        logprob = jnp.where(state.done, 0.0, logprob)
+        return DecodeState(
+            step=state.step + 1,
+            cache=cache,
+            kv_mask=kv_mask,
+            last_token=token,
+            position=state.position + 1,
+            tokens=jax.lax.dynamic_update_slice(state.tokens, token[:, None], (0, state.step)),
+            logprobs=jax.lax.dynamic_update_slice(state.logprobs, logprob[:, None], (0, state.step)),
+            done=state.done | (token == eos),
+            key=key,
+        )
+
+    state = jax.lax.while_loop(keep_going, decode_one, state)
+    mask, lengths = _completion_mask(state.tokens, sampling.eos_id)
+    return RolloutResult(tokens=state.tokens, logprobs=jnp.where(mask, state.logprobs, 0.0), mask=mask,
+                         lengths=lengths)
+
+
+GenerateFn = Callable[[nnx.State, jax.Array, jax.Array, jax.Array], RolloutResult]
+
+
+@functools.lru_cache(maxsize=32)
+def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: SamplingConfig, prompt_len: int,
+                     batch: int, devices: tuple[jax.Device, ...] | None = None) -> GenerateFn:
+    """`generate(params, prompt_tokens [B, P], prompt_mask [B, P], key) -> RolloutResult`, jitted.
+
+    Cached per arguments, so asking again for the same shapes returns the same compiled function.
+    The batch is sharded over `rollout_mesh(batch, devices)`; params are replicated on it (numpy
+    or uncommitted inputs are moved there by jit; params committed elsewhere must be placed with
+    `jax.device_put(params, NamedSharding(mesh, PartitionSpec()))` first).
+    """
+    if prompt_len < 1 or batch < 1:
+        raise ValueError(f"prompt_len and batch must be >= 1, got {prompt_len}, {batch}")
+    if prompt_len + sampling.max_new_tokens - 1 > config.max_seq_len:
+        raise ValueError(f"prompt_len + max_new_tokens - 1 = {prompt_len + sampling.max_new_tokens - 1} cache "
+                         f"slots exceed the model's max_seq_len {config.max_seq_len}")
+    mesh = rollout_mesh(batch, devices)
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    body = functools.partial(_generate, graphdef, config=config, sampling=sampling, batch_sharding=batch_sharding)
+    return jax.jit(body, in_shardings=(replicated, batch_sharding, batch_sharding, replicated),
+                   out_shardings=batch_sharding)

@@ -1,0 +1,59 @@
+"""Prompt sources, registered by name: `arith`, `countdown` (generated), `gsm8k`, `math` (local files).
+
+`make_task(spec)` builds the task a `TaskSpec` names; `global_batch` / `host_shard` pick step t's
+prompts deterministically from (seed, step), host shards being disjoint slices of the global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from locojax.registry import Registry
+from locojax.spec import TaskSpec
+from locojax.tasks.arith import ArithTask
+from locojax.tasks.base import (
+    ANSWER_TAG_FORMAT,
+    BOXED_FORMAT,
+    GSM8K_FORMAT,
+    DataFormatError,
+    Example,
+    Task,
+    batch_indices,
+    global_batch,
+    host_shard,
+    repeat_examples,
+)
+from locojax.tasks.countdown import CountdownTask
+from locojax.tasks.gsm8k import GSM8KTask
+from locojax.tasks.math import MathTask
+
+TASKS: Registry[Callable[[TaskSpec], Task]] = Registry("task")
+
+
+def _needs_path(spec: TaskSpec) -> str:
+    if not spec.path:
+        raise ValueError(f"task.path is required for task {spec.name!r} (a local JSONL or parquet file)")
+    return spec.path
+
+
+TASKS.register("arith")(lambda spec: ArithTask(difficulty=spec.difficulty))
+TASKS.register("countdown")(lambda spec: CountdownTask(difficulty=spec.difficulty))
+TASKS.register("gsm8k")(lambda spec: GSM8KTask(_needs_path(spec)))
+TASKS.register("math")(lambda spec: MathTask(_needs_path(spec)))
+
+
+def make_task(spec: TaskSpec) -> Task:
+    """The task `spec.name` names, built from the spec (generated tasks use `spec.difficulty`)."""
+    return TASKS.get(spec.name)(spec)
+
+
+def reward_names(spec: TaskSpec, task: Task) -> tuple[str, ...]:
+    """The reward functions a run scores with: the spec's list if given, else the task's defaults."""
+    return tuple(spec.reward) if spec.reward else task.default_rewards
+
+
+__all__ = [
+    "TASKS", "Example", "Task", "DataFormatError", "make_task", "reward_names", "global_batch", "host_shard",
+    "batch_indices", "repeat_examples", "ArithTask", "CountdownTask", "GSM8KTask", "MathTask",
+    "GSM8K_FORMAT", "BOXED_FORMAT", "ANSWER_TAG_FORMAT",
+]

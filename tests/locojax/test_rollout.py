@@ -1,0 +1,143 @@
+"""Rollout against the model's full forward pass: greedy tokens, log-probs, EOS handling, sharding.
+
+Tiny preset on the 4 fake CPU devices of conftest.py; every compiled rollout is built once per
+module (compiles dominate this file's time).
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from locojax.model import create_model, forward, get_preset, positions_from_mask
+from locojax.rollout import (
+    SamplingConfig,
+    decode_completions,
+    encode_prompts,
+    make_generate_fn,
+    repeat_groups,
+    rollout_key,
+    rollout_mesh,
+)
+from locojax.tokenizer import ByteTokenizer
+
+CONFIG = get_preset("tiny")
+TOKENIZER = ByteTokenizer()
+PROMPTS = ["Ann has 3 pens.\n", "1+2=", "a much longer prompt that gets truncated on the left\n", "x",
+           "", "Bob had 17 toys and found 29. How many now?\n", "7-5=", "zz"]
+PROMPT_LEN, NEW_TOKENS = 16, 12
+
+
+@functools.lru_cache(maxsize=None)
+def model():
+    return nnx.split(create_model(CONFIG, seed=0))
+
+
+@functools.lru_cache(maxsize=None)
+def prompts():
+    return encode_prompts(PROMPTS, TOKENIZER, PROMPT_LEN)
+
+
+@functools.lru_cache(maxsize=None)
+def rollout(temperature: float, eos_id: int | None, seed: int = 0):
+    """A rollout of PROMPTS (host copy); one compile per sampling config, shared by the tests."""
+    graphdef, params = model()
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=temperature, eos_id=eos_id,
+                              pad_id=TOKENIZER.pad_id)
+    generate = make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, len(PROMPTS))
+    tokens, mask = prompts()
+    return jax.device_get(generate(params, tokens, mask, rollout_key(seed, 0, 0)))
+
+
+# One compiled full forward over P + N slots serves every reference computation below.
+full_forward = jax.jit(forward, static_argnums=0)
+
+
+def forward_logits(completion: np.ndarray, known: int) -> np.ndarray:
+    """Logits [B, P + N, V] of one full forward pass (no cache) over prompt + completion[:, :known].
+
+    The slots after `known` are padding; causality by slot keeps them from influencing the slots
+    before, so the logits at slot P - 1 + i (predicting completion token i) are exact for i <= known.
+    """
+    graphdef, params = model()
+    tokens, mask = prompts()
+    visible = np.arange(NEW_TOKENS) < known
+    sequence = np.concatenate([tokens, np.where(visible, completion, TOKENIZER.pad_id)], axis=1)
+    full_mask = np.concatenate([mask, np.broadcast_to(visible, completion.shape)], axis=1)
+    logits, _ = full_forward(graphdef, params, sequence, positions_from_mask(full_mask), full_mask)
+    return np.asarray(logits)
+
+
+def test_greedy_equals_step_by_step_argmax_of_the_full_forward():
+    completion = np.full((len(PROMPTS), NEW_TOKENS), TOKENIZER.pad_id, np.int32)
+    for i in range(NEW_TOKENS):  # no cache: the whole sequence so far through the model each step
+        completion[:, i] = np.argmax(forward_logits(completion, i)[:, PROMPT_LEN - 1 + i], axis=-1)
+    result = rollout(0.0, None)
+    np.testing.assert_array_equal(result.tokens, completion)
+    assert result.mask.all() and (result.lengths == NEW_TOKENS).all()
+    assert len({tuple(row) for row in result.tokens}) > 1  # rows differ: the check is not vacuous
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_equal_a_fresh_forward_pass(temperature):
+    result = rollout(temperature, None)
+    logits = forward_logits(result.tokens, NEW_TOKENS)
+    predicting = logits[:, PROMPT_LEN - 1:-1]  # position P-1+i predicts completion token i
+    scale = temperature or 1.0  # greedy log-probs are of the T=1 distribution
+    expected = np.take_along_axis(jax.nn.log_softmax(predicting / scale, axis=-1), result.tokens[..., None],
+                                  axis=-1)[..., 0]
+    np.testing.assert_allclose(result.logprobs, expected, atol=1e-4)
+
+
+def test_eos_stops_a_row_and_masks_what_follows():
+    greedy = rollout(0.0, None).tokens
+    eos = int(greedy[0, 3])  # pretend row 0's fourth token is EOS
+    result = rollout(0.0, eos)
+    for row, tokens in enumerate(greedy):
+        hits = np.flatnonzero(tokens == eos)
+        length = hits[0] + 1 if len(hits) else NEW_TOKENS
+        assert result.lengths[row] == length
+        np.testing.assert_array_equal(result.tokens[row, :length], tokens[:length])  # same up to EOS
+        assert (result.tokens[row, length:] == TOKENIZER.pad_id).all()
+        np.testing.assert_array_equal(result.mask[row], np.arange(NEW_TOKENS) < length)
+        assert (result.logprobs[row, length:] == 0).all()
+    assert result.lengths[0] == 4
+
+
+def test_sampling_is_reproducible_per_key_and_varies_across_keys():
+    first, again = rollout(1.0, None, seed=0), rollout(1.0, None, seed=0)
+    other = rollout(1.0, None, seed=1)
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+    assert (first.tokens != other.tokens).mean() > 0.5
+    assert (first.tokens != rollout(0.0, None).tokens).any()
+
+
+def test_the_batch_is_sharded_over_local_devices():
+    graphdef, params = model()
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, eos_id=None, pad_id=TOKENIZER.pad_id)
+    generate = make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, len(PROMPTS))
+    assert make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, len(PROMPTS)) is generate  # jit once
+    tokens, mask = prompts()
+    result = generate(params, tokens, mask, rollout_key(0, 0, 0))
+    assert len(result.tokens.sharding.device_set) == 4 == len(jax.local_devices())
+    assert result.tokens.sharding.spec[0] == "data"
+    assert rollout_mesh(6).devices.size == 3  # the most devices that divide the batch
+    assert rollout_mesh(7).devices.size == 1
+
+
+def test_prompt_and_completion_helpers():
+    tokens, mask = encode_prompts(["ab", "abcdef"], TOKENIZER, 4)
+    np.testing.assert_array_equal(tokens, [[258, 256, 97, 98], [99, 100, 101, 102]])  # left pad / truncate
+    np.testing.assert_array_equal(repeat_groups(tokens, 2)[:, -1], [98, 98, 102, 102])
+    result = rollout(0.0, int(rollout(0.0, None).tokens[0, 3]))
+    texts = decode_completions(result, TOKENIZER)
+    assert len(texts) == len(PROMPTS)
+    assert texts[0] == TOKENIZER.decode(result.tokens[0, :4])
+
+
+def test_max_seq_len_is_checked():
+    graphdef, _ = model()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        make_generate_fn(CONFIG, graphdef, SamplingConfig(max_new_tokens=CONFIG.max_seq_len), 8, 4)
