@@ -153,13 +153,16 @@ def sft(
 
 def demo(
     out: Path = typer.Option(Path("runs/demo"), help="where the demo writes checkpoints, metrics and a plot"),
+    sft_steps: int = typer.Option(150, help="SFT warm-start steps"),
+    grpo_steps: int = typer.Option(80, help="GRPO steps"),
+    seed: int = typer.Option(0),
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
     """The newcomer's demo: SFT warm start, then GRPO on `arith` with the `small` preset, locally."""
     configure_jax(1)
     from locojax.demo import run_demo
 
-    summary = run_demo(out, console=not quiet)
+    summary = run_demo(out, console=not quiet, sft_steps=sft_steps, grpo_steps=grpo_steps, seed=seed)
     typer.echo(summary)
 
 

@@ -14,7 +14,8 @@ from locojax import metrics as m
 from locojax.spec import RunSpec
 
 DEMO_TASK = {"name": "arith", "difficulty": 1}
-DEMO_ROLLOUT = {"prompts_per_step": 32, "group_size": 8, "max_prompt_tokens": 64, "max_new_tokens": 20,
+# Prompts of arith difficulty 1 are at most 58 bytes with BOS; references at most 17 with EOS.
+DEMO_ROLLOUT = {"prompts_per_step": 16, "group_size": 8, "max_prompt_tokens": 60, "max_new_tokens": 18,
                 "temperature": 1.0}
 
 
@@ -56,7 +57,8 @@ def plot_rewards(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(out: Path, console: bool = True, sft_steps: int = 300, grpo_steps: int = 120, seed: int = 0) -> str:
+def run_demo(out: Path, console: bool = True, sft_steps: int = 150, grpo_steps: int = 80, seed: int = 0,
+             sft_batch: int = 64) -> str:
     from locojax.modes.co import run_co
     from locojax.sft import run_sft
 
@@ -64,7 +66,7 @@ def run_demo(out: Path, console: bool = True, sft_steps: int = 300, grpo_steps: 
     sft_spec, grpo_spec = demo_specs(out, grpo_steps, seed)
     logger = m.MetricsLogger([m.ConsoleSink(sft_steps, description="sft")] if console else [])
     try:
-        sft_last = run_sft(sft_spec, out / "sft", sft_steps, batch_size=128, lr=1e-3, logger=logger)
+        sft_last = run_sft(sft_spec, out / "sft", sft_steps, batch_size=sft_batch, lr=1e-3, logger=logger)
     finally:
         logger.close()
     metrics_path = out / "grpo" / "metrics.jsonl"

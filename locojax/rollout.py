@@ -93,7 +93,7 @@ class DecodeState:
     tokens: jax.Array  # [B, N] int32
     logprobs: jax.Array  # [B, N] float32
     done: jax.Array  # [B] bool: the row has emitted EOS
-    key: jax.Array  # PRNG key for the remaining steps
+    key: jax.Array  # [B] per-row PRNG keys; token i of a row samples with fold_in(key, i)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,14 +124,21 @@ def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-    """One token per row and its log-prob (see the module docstring). logits: [B, V] float32."""
+    """One token per row and its log-prob (see the module docstring). logits: [B, V] float32.
+
+    `key` is one key for the whole batch, or a [B] array of per-row keys (what rollout uses, so a
+    row's sample does not depend on which host or device drew it)."""
     logits = logits.astype(jnp.float32)
     if sampling.greedy:
         tokens = jnp.argmax(logits, axis=-1)
         scaled = logits
     else:
         scaled = logits / sampling.temperature
-        tokens = jax.random.categorical(key, truncate_logits(scaled, sampling.top_k, sampling.top_p), axis=-1)
+        truncated = truncate_logits(scaled, sampling.top_k, sampling.top_p)
+        if key.ndim == 0:
+            tokens = jax.random.categorical(key, truncated, axis=-1)
+        else:
+            tokens = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, truncated)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens.astype(jnp.int32), logprobs
 
@@ -143,15 +150,17 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -
 _ROLLOUT_STREAM = 0x5A3D  # keeps rollout noise apart from any other use of PRNGKey(seed)
 
 
-def rollout_key(seed: int, step: int, host: int) -> jax.Array:
-    """The sampling key of (seed, step, host): distinct for every step and host, same on a restart.
+def rollout_key(seed: int, step: int, host: int = 0) -> jax.Array:
+    """The sampling key of (seed, step): the same on every host and on a restart.
 
-    An "rbg" key: its random bits come from XLA's RngBitGenerator, which compiles ~5x faster on
-    CPU than the default threefry bits (seconds per sampling site here). Its values depend on how
-    the batch is sharded, which is fixed for a run, so restarts still repeat themselves exactly.
+    Generate derives each row's own key from it and the row's *global* index (`row_offset` +
+    position in the call), so a sample depends on (seed, step, row) only — not on how many hosts
+    or devices share the batch: 2 hosts x 1 device and 1 host x 2 devices draw identical samples.
+    Threefry keys are used because their bits do not depend on sharding. `host` is kept for callers
+    that want separate streams per host (it is folded in when non-zero).
     """
-    key = jax.random.fold_in(jax.random.key(seed, impl="rbg"), _ROLLOUT_STREAM)
-    return jax.random.fold_in(jax.random.fold_in(key, step), host)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _ROLLOUT_STREAM), step)
+    return jax.random.fold_in(key, host) if host else key
 
 
 def rollout_mesh(batch: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -194,7 +203,7 @@ def _completion_mask(tokens: jax.Array, eos_id: int | None) -> tuple[jax.Array, 
     return jnp.arange(n)[None, :] < lengths[:, None], lengths
 
 
-def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, config: ModelConfig,
+def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, config: ModelConfig,
               sampling: SamplingConfig, batch_sharding: NamedSharding) -> RolloutResult:
     batch, prompt_len = prompt_tokens.shape
     n = sampling.max_new_tokens
@@ -208,8 +217,9 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, config: Mode
     cache = constrain(init_cache(config, batch, slots))
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, slots - prompt_len), bool)], axis=1)  # [B, S]
     logits, cache = forward(graphdef, params, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache, 0)
-    key, step_key = jax.random.split(key)
-    first, first_logprob = sample_tokens(logits[:, -1], step_key, sampling)  # left padding: last slot is real
+    row_keys = constrain(jax.vmap(lambda row: jax.random.fold_in(key, row))(row_offset + jnp.arange(batch)))
+    per_step = jax.vmap(jax.random.fold_in, in_axes=(0, None))  # row keys, token index -> [B] keys
+    first, first_logprob = sample_tokens(logits[:, -1], per_step(row_keys, 0), sampling)  # last slot is real
 
     state = DecodeState(
         step=jnp.array(1, jnp.int32),
@@ -220,7 +230,7 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, config: Mode
         tokens=constrain(jnp.full((batch, n), sampling.pad_id, jnp.int32).at[:, 0].set(first)),
         logprobs=constrain(jnp.zeros((batch, n), jnp.float32).at[:, 0].set(first_logprob)),
         done=first == eos,
-        key=key,
+        key=row_keys,
     )
 
     def keep_going(state: DecodeState) -> jax.Array:
@@ -231,8 +241,7 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, config: Mode
         kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((batch, 1), bool), (0, slot))
         logits, cache = forward(graphdef, params, state.last_token[:, None], state.position[:, None], kv_mask,
                                 state.cache, slot)
-        key, step_key = jax.random.split(state.key)
-        token, logprob = sample_tokens(logits[:, 0], step_key, sampling)
+        token, logprob = sample_tokens(logits[:, 0], per_step(state.key, state.step), sampling)
         # Rows that already finished keep emitting padding (their work is wasted but shapes stay static).
         token = jnp.where(state.done, sampling.pad_id, token)
         logprob = jnp.where(state.done, 0.0, logprob)
@@ -245,7 +254,7 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, config: Mode
             tokens=jax.lax.dynamic_update_slice(state.tokens, token[:, None], (0, state.step)),
             logprobs=jax.lax.dynamic_update_slice(state.logprobs, logprob[:, None], (0, state.step)),
             done=state.done | (token == eos),
-            key=key,
+            key=state.key,
         )
 
     state = jax.lax.while_loop(keep_going, decode_one, state)
@@ -260,7 +269,7 @@ GenerateFn = Callable[[nnx.State, jax.Array, jax.Array, jax.Array], RolloutResul
 @functools.lru_cache(maxsize=32)
 def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: SamplingConfig, prompt_len: int,
                      batch: int, devices: tuple[jax.Device, ...] | None = None) -> GenerateFn:
-    """`generate(params, prompt_tokens [B, P], prompt_mask [B, P], key) -> RolloutResult`, jitted.
+    """`generate(params, prompt_tokens [B, P], prompt_mask [B, P], key, row_offset=0) -> RolloutResult`, jitted.
 
     Cached per arguments, so asking again for the same shapes returns the same compiled function.
     The batch is sharded over `rollout_mesh(batch, devices)`; params are replicated on it (numpy
@@ -276,5 +285,11 @@ def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: Samp
     batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
     replicated = NamedSharding(mesh, PartitionSpec())
     body = functools.partial(_generate, graphdef, config=config, sampling=sampling, batch_sharding=batch_sharding)
-    return jax.jit(body, in_shardings=(replicated, batch_sharding, batch_sharding, replicated),
-                   out_shardings=batch_sharding)
+    jitted = jax.jit(body, in_shardings=(replicated, batch_sharding, batch_sharding, replicated, replicated),
+                     out_shardings=batch_sharding)
+
+    def generate(params, prompt_tokens, prompt_mask, key, row_offset: int = 0) -> RolloutResult:
+        """`row_offset`: the global index of this call's first row (its host's offset in the step)."""
+        return jitted(params, prompt_tokens, prompt_mask, key, np.int32(row_offset))
+
+    return generate

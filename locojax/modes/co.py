@@ -143,7 +143,7 @@ def run_co(
                     with timer.device() as span:
                         local_params = to_local(trainer.state.params, runner.replicated)
                         tokens, mask, result = runner.sample(
-                            local_params, examples, rollout_key(spec.seed, step, host * rows_per_host))
+                            local_params, examples, rollout_key(spec.seed, step), host * rows_per_host)
                         span.ready(result)
                     completions = runner.completions(result)
                 rollout_s = timer.last_phase(m.TIME_ROLLOUT)

@@ -128,10 +128,11 @@ class RolloutRunner:
         self.generate = make_generate_fn(policy.config, policy.graphdef, self.sampling, self.prompt_len,
                                          self.batch_size, self.devices)
 
-    def sample(self, params_local: nnx.State, examples: Sequence[Example], key: jax.Array):
-        """Dispatch rollout for `examples` (already repeated G times); returns device arrays."""
+    def sample(self, params_local: nnx.State, examples: Sequence[Example], key: jax.Array, row_offset: int):
+        """Dispatch rollout for `examples` (already repeated G times, rows `row_offset`... of the
+        step's global batch); returns device arrays."""
         tokens, mask = encode_prompts([e.prompt for e in examples], self.policy.tokenizer, self.prompt_len)
-        return tokens, mask, self.generate(params_local, tokens, mask, key)
+        return tokens, mask, self.generate(params_local, tokens, mask, key, row_offset)
 
     def completions(self, result: RolloutResult) -> list[str]:
         return decode_completions(result, self.policy.tokenizer)

@@ -90,7 +90,7 @@ class RolloutHost:
                 examples = prompts_for(self.task, self.spec, step, self.index, self.hosts)
                 with timer.device() as span:
                     tokens, mask, result = self.runner.sample(
-                        self.params, examples, rollout_key(self.spec.seed, step, self.index * self.rows))
+                        self.params, examples, rollout_key(self.spec.seed, step), self.index * self.rows)
                     span.ready(result)
                 completions = self.runner.completions(result)
             rollout_s = timer.last_phase(m.TIME_ROLLOUT)

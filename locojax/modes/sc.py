@@ -82,8 +82,8 @@ def run_sc(
                         dispatched = []
                         for h, runner in enumerate(runners):
                             params_h = to_local(trainer.state.params, runner.replicated)
-                            dispatched.append(runner.sample(params_h, examples[h],
-                                                            rollout_key(spec.seed, step, h * rows_per_host)))
+                            dispatched.append(runner.sample(params_h, examples[h], rollout_key(spec.seed, step),
+                                                            h * rows_per_host))
                         span.ready([result for _, _, result in dispatched])
                     with timer.network():
                         # Every rollout travels back to the controller.

@@ -141,3 +141,22 @@ def test_max_seq_len_is_checked():
     graphdef, _ = model()
     with pytest.raises(ValueError, match="max_seq_len"):
         make_generate_fn(CONFIG, graphdef, SamplingConfig(max_new_tokens=CONFIG.max_seq_len), 8, 4)
+
+
+def test_samples_depend_on_the_global_row_not_on_how_the_batch_is_split():
+    """Per-row keys: one call over 8 rows on 4 devices == two calls over 4 rows on 1 device each with
+    row offsets 0 and 4 (what 1 host x 4 devices and 2 hosts would do)."""
+    graphdef, params = model()
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, eos_id=None, pad_id=TOKENIZER.pad_id)
+    whole = rollout(1.0, None, seed=5)
+    tokens, mask = prompts()
+    halves = []
+    for offset in (0, 4):
+        generate = make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, 4, (jax.devices()[offset // 4],))
+        halves.append(jax.device_get(generate(params, tokens[offset:offset + 4], mask[offset:offset + 4],
+                                              rollout_key(5, 0, 0), offset)))
+    np.testing.assert_array_equal(np.concatenate([h.tokens for h in halves]), whole.tokens)
+    np.testing.assert_allclose(np.concatenate([h.logprobs for h in halves]), whole.logprobs, atol=1e-5)
+    shifted = jax.device_get(make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, 4, (jax.devices()[0],))(
+        params, tokens[:4], mask[:4], rollout_key(5, 0, 0), 4))
+    assert not np.array_equal(shifted.tokens, halves[0].tokens), "the row offset must change the noise"
