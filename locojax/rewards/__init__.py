@@ -14,6 +14,7 @@ a scoring bug must not stop a long run, but it must not go unseen either.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import logging
 import threading
 import traceback
@@ -52,7 +53,7 @@ def _score_chunk(name: str, completions: Sequence[str], examples: Sequence[Examp
 
     Module-level (not a closure) so a ProcessPoolExecutor can run it too.
     """
-    fn = REWARDS.get(name)
+    fn = resolve_reward(name)
     values, failures, first_failure = [], 0, ""
     for completion, example in zip(completions, examples):
         try:
@@ -77,6 +78,21 @@ def _log_failure_once(name: str, failures: int, total: int, first_failure: str) 
               name, failures, total, first_failure)
 
 
+def resolve_reward(name: str) -> RewardFn:
+    """A registered reward, or a user function named `package.module:function` (importable on every
+    host), the way verl and TRL take custom reward functions."""
+    if ":" not in name:
+        return REWARDS.get(name)
+    module_name, _, attribute = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"reward {name!r} cannot be imported: {exc}") from None
+    if not callable(fn):
+        raise KeyError(f"reward {name!r} is not callable")
+    return fn
+
+
 def score(
     reward_names: Sequence[str],
     completions: Sequence[str],
@@ -92,7 +108,7 @@ def score(
     if len(completions) != len(examples):
         raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
     for name in reward_names:
-        REWARDS.get(name)
+        resolve_reward(name)
     n = len(completions)
     chunks = [(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
     jobs = [(name, start, stop) for name in reward_names for start, stop in chunks]

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,17 +18,19 @@ from flax import nnx
 from locojax import metrics as m
 from locojax.checkpoint import load_params
 from locojax.model import create_model, get_preset
-from locojax.rewards import REWARDS
+from tests.locojax.rewards_for_tests import SLEEP_PER_BATCH_S
 from locojax.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
+DENSE_REWARD = "tests.locojax.rewards_for_tests:digit_fraction"
+SLEEPY_REWARD = "tests.locojax.rewards_for_tests:sleep_50ms_per_batch"
 
 
 def tiny_spec(tmp_path: Path, name: str, **overrides) -> dict:
     spec = {
         "name": name, "seed": 3,
         "model": {"preset": "tiny"},
-        "task": {"name": "arith", "difficulty": 1},
+        "task": {"name": "arith", "difficulty": 1, "reward": ["gsm8k", DENSE_REWARD]},
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_prompt_tokens": 48, "max_new_tokens": 8},
         # A large rate so three steps move the params visibly: equality must not hold by inertia.
         "optim": {"lr": 3e-3, "warmup_steps": 0},
@@ -117,22 +118,6 @@ def test_resume_after_kill_equals_straight_run(tmp_path):
             assert row["loss/policy"] == rows[row["step"]]["loss/policy"]
 
 
-_sleep_lock = threading.Lock()
-SLEEP_PER_BATCH_S = 0.05
-BATCH = 4 * 4
-
-
-def _sleepy_reward(completion, example) -> float:
-    # 50 ms per batch in total, serialised so the reward thread pool cannot hide it.
-    with _sleep_lock:
-        time.sleep(SLEEP_PER_BATCH_S / BATCH)
-    return 0.0
-
-
-if "test_sleep_50ms_per_batch" not in REWARDS:
-    REWARDS.register("test_sleep_50ms_per_batch")(_sleepy_reward)
-
-
 @pytest.mark.slow
 def test_reward_sleep_shows_up_as_host_time(tmp_path):
     from locojax.modes.co import run_co
@@ -145,6 +130,6 @@ def test_reward_sleep_shows_up_as_host_time(tmp_path):
         return np.median([r[m.TIME_HOST] for r in rows]), np.median([r[m.TIME_DEVICE] for r in rows])
 
     base_host, base_device = host_times("plain", ["gsm8k"])
-    sleepy_host, sleepy_device = host_times("sleepy", ["gsm8k", "test_sleep_50ms_per_batch"])
+    sleepy_host, sleepy_device = host_times("sleepy", ["gsm8k", SLEEPY_REWARD])
     assert 0.8 * SLEEP_PER_BATCH_S < sleepy_host - base_host < 2.0 * SLEEP_PER_BATCH_S
     assert abs(sleepy_device - base_device) < 0.5 * SLEEP_PER_BATCH_S + 0.5 * base_device
