@@ -1,0 +1,218 @@
+"""Peer side of bench/grpo_step.py: Tunix 0.1.7's `GRPOLearner`, timed step by step.
+
+Runs ONLY inside the Tunix venv (bench/.peer-venvs/tunix) and imports nothing from this project:
+
+    bench/.peer-venvs/tunix/bin/python bench/peers/tunix_grpo_step.py CONFIG.json
+
+CONFIG.json (written by bench/grpo_step.py) holds the model dimensions, the algorithm settings and the
+prompts/answers of every step, so both sides train on the same prompt strings. Prints one JSON line
+(the last line of stdout) with the per-step wall periods and the token counts of every rollout.
+
+How a step is timed: `GRPOLearner.train` pulls one batch from the training iterator at the start of
+each global step (rollout -> reference log-probs -> rewards -> advantages -> train step -> metrics)
+and the next pull only happens after that step's update. The iterator below stamps
+`time.perf_counter()` at every pull, so step k's wall period is stamp[k+1] - stamp[k]: the same
+"start of one step to start of the next" period the LoCoJAX side measures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import sys
+import time
+from fractions import Fraction
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0-255, then BOS 256 and PAD 258 — the ids of locojax's byte tokenizer, in
+    the method-style interface Tunix's TokenizerAdapter accepts. `eos_id()` is -1, an id no sampled
+    token can equal: there is no EOS on this side, as `SamplingConfig(eos_id=None)` on ours, so every
+    completion is max_tokens_to_generate long and no completion token is masked after an "EOS"."""
+
+    def encode(self, text: str, **_) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, **_) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def bos_id(self) -> int:
+        return 256
+
+    def eos_id(self) -> int:
+        return -1
+
+    def pad_id(self) -> int:
+        return 258
+
+
+_STRICT = re.compile(r"####\s*(-?\s*\$?\s*-?\s*(?:\d(?:[\d,]*\d)?(?:\.\d+)?|\.\d+))")
+
+
+def _number(text: str) -> Fraction | None:
+    cleaned = text.strip().replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
+    try:
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def gsm8k_strict(prompts, completions, answer, **_) -> list[float]:
+    """1.0 where the number after `####` equals the answer: the cheap reward both sides score with
+    (LoCoJAX's `gsm8k` reward on the `arith` task)."""
+    out = []
+    for completion, truth in zip(completions, answer):
+        match = _STRICT.search(completion)
+        predicted = _number(match.group(1)) if match else None
+        out.append(1.0 if predicted is not None and predicted == _number(str(truth)) else 0.0)
+    return out
+
+
+def main(config_path: str) -> None:
+    with open(config_path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    import optax
+    from jax.sharding import AxisType
+    from tunix.models.dummy_model_creator import create_dummy_model
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
+
+    dims, algo, work = cfg["model"], cfg["algo"], cfg["workload"]
+    steps = cfg["steps"]
+    assert len(cfg["prompts"]) == steps
+    assert len(jax.devices()) == 1, jax.devices()
+
+    # Tunix's Qwen3 names its mesh axes `fsdp` and `tp` and needs Auto axis types (PITFALLS.md).
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    model_config = qwen3.ModelConfig(
+        num_layers=dims["n_layers"], vocab_size=dims["vocab_size"], embed_dim=dims["d_model"],
+        hidden_dim=dims["d_ff"], num_heads=dims["n_heads"], head_dim=dims["head_dim"],
+        num_kv_heads=dims["n_kv_heads"], rope_theta=int(dims["rope_theta"]), norm_eps=dims["norm_eps"],
+        use_tied_embedding=dims["tie_embeddings"], dtype="float32", param_dtype="float32",
+    )
+    with jax.set_mesh(mesh):
+        actor = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
+        # The frozen reference starts equal to the policy, as LoCoJAX's does.
+        reference = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
+
+    rollout_config = base_rollout.RolloutConfig(
+        max_tokens_to_generate=work["new_tokens"],
+        max_prompt_length=work["prompt_slots"],
+        kv_cache_size=work["prompt_slots"] + work["new_tokens"],
+        temperature=work["temperature"], top_p=1.0, top_k=None,
+        eos_tokens=[-1],  # no stop token: every row decodes all new tokens
+        seed=cfg["seed"],  # Tunix reuses PRNGKey(0) on every call unless a seed is set (PITFALLS.md)
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(cfg["optim"]["grad_clip"]),
+        optax.adamw(cfg["optim"]["lr"], b1=0.9, b2=0.999, weight_decay=0.0),
+    )
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
+                      rl_cluster_lib.Role.ROLLOUT: mesh},
+        rollout_engine="vanilla",
+        offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=optimizer,
+            eval_every_n_steps=10**9,
+            max_steps=steps,
+            checkpoint_root_directory=None,
+            metrics_logging_options=None,
+            pbar_description=None,
+        ),
+        rollout_config=rollout_config,
+    )
+    cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=ByteTokenizer(),
+                                       cluster_config=cluster_config)
+    grpo_config = grpo_learner.GRPOConfig(
+        num_generations=work["group_size"],
+        num_iterations=algo["num_iterations"],
+        beta=algo["kl_coef"],
+        kl_loss_mode="low_var_kl",  # the k3 estimator, as LoCoJAX's KL penalty
+        epsilon=algo["clip_eps"],
+        loss_agg_mode="sequence-mean-token-mean",
+    )
+    learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=grpo_config, reward_fns=[gsm8k_strict])
+
+    # Count what every rollout actually generated (the identical-work check).
+    generated: list[dict] = []
+    original_generate = cluster.generate
+
+    def counting_generate(*args, **kwargs):
+        out = original_generate(*args, **kwargs)
+        lengths = [len(t) for t in out.tokens]
+        generated.append({"rows": len(lengths), "tokens": int(sum(lengths)),
+                          "min_len": int(min(lengths)), "max_len": int(max(lengths))})
+        return out
+
+    cluster.generate = counting_generate
+
+    # Rough phase timings of the peer, for the report only (the step period is what is compared):
+    # rollout = `generate` (blocks: it returns host tokens and texts), reference = reference
+    # log-probs until ready, train = `update_actor` (Tunix may leave its last update in flight;
+    # the next rollout then waits for it).
+    phases: dict[str, list[float]] = {"rollout": [], "reference": [], "train": []}
+
+    def timed(name, fn, block=False):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if block:
+                jax.block_until_ready(out)
+            phases[name].append(time.perf_counter() - started)
+            return out
+        return wrapper
+
+    cluster.generate = timed("rollout", cluster.generate)
+    cluster.get_ref_per_token_logps = timed("reference", cluster.get_ref_per_token_logps, block=True)
+    cluster.update_actor = timed("train", cluster.update_actor)
+
+    pulls: list[float] = []
+    cpu: list[float] = []
+
+    def batches():
+        for step, batch in enumerate(cfg["prompts"]):
+            rollout_config.seed = cfg["seed"] * 100_003 + step  # a fresh sampling key per step
+            pulls.append(time.perf_counter())
+            cpu.append(time.process_time())
+            yield {"prompts": np.array([row["prompt"] for row in batch]),
+                   "answer": np.array([row["answer"] for row in batch])}
+
+    started = time.perf_counter()
+    learner.train(batches())
+    ended = time.perf_counter()
+
+    periods = [b - a for a, b in zip(pulls, pulls[1:])]  # step k = pulls[k+1] - pulls[k]
+    result = {
+        "side": "tunix",
+        "periods_s": periods,  # steps 0 .. steps-2; the last step's end has no next pull
+        "cpu_s": [b - a for a, b in zip(cpu, cpu[1:])],  # process CPU seconds (all threads) per step
+        "phases_s": phases,
+        "last_step_s": ended - pulls[-1],  # ends after learner.train's close(), reported only
+        "total_s": ended - started,
+        "generated": generated,
+        "train_steps": int(cluster.actor_trainer.train_steps),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "versions": {"jax": jax.__version__, "tunix": _version("google-tunix"), "flax": _version("flax"),
+                     "optax": _version("optax")},
+        "devices": len(jax.devices()),
+    }
+    print(json.dumps(result), flush=True)
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
