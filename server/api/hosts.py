@@ -1,0 +1,45 @@
+"""/api/v1/hosts: workers register and heartbeat; anyone with a token lists them with their liveness."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response, status
+
+from server.api.deps import API_PREFIX, ReadToken, SessionDep, SettingsDep, WorkerToken, errors
+from server.schemas import HostHeartbeat, HostName, HostPublic, HostRegister, HostsPublic
+from server.services import hosts as host_service
+
+router = APIRouter(prefix=f"{API_PREFIX}/hosts", tags=["hosts"], responses=errors(401, 403, 422))
+
+HostNamePath = Annotated[HostName, Path()]
+
+
+@router.post("", response_model=HostPublic)
+def register_host(body: HostRegister, session: SessionDep, settings: SettingsDep, _: WorkerToken) -> HostPublic:
+    """Idempotent; a worker calls it on every start. Counts as a heartbeat."""
+    return host_service.to_public(host_service.register(session, body), settings)
+
+
+@router.post("/{name}/heartbeat", response_model=HostPublic, responses=errors(404))
+def heartbeat(name: HostNamePath, session: SessionDep, settings: SettingsDep, _: WorkerToken,
+              body: HostHeartbeat | None = None) -> HostPublic:
+    """404 for an unknown host: the worker registers again (e.g. after the database was reset)."""
+    return host_service.to_public(host_service.heartbeat(session, name, body.info if body else None), settings)
+
+
+@router.get("", response_model=HostsPublic)
+def list_hosts(session: SessionDep, settings: SettingsDep, _: ReadToken) -> HostsPublic:
+    return HostsPublic(data=[host_service.to_public(host, settings) for host in host_service.list_all(session)])
+
+
+@router.get("/{name}", response_model=HostPublic, responses=errors(404))
+def get_host(name: HostNamePath, session: SessionDep, settings: SettingsDep, _: ReadToken) -> HostPublic:
+    return host_service.to_public(host_service.get(session, name), settings)
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response, responses=errors(404, 409))
+def remove_host(name: HostNamePath, session: SessionDep, _: WorkerToken) -> Response:
+    """Deregister a host that holds no reservation (a worker shutting down cleanly)."""
+    host_service.remove(session, name)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,128 @@
+"""/api/v1/runs: submit, list, get, cancel, resume, delete; and what workers report about a run."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Query, Response, status
+
+from server.api.deps import (
+    API_PREFIX,
+    MAX_INT32,
+    ReadToken,
+    RunId,
+    SessionDep,
+    SettingsDep,
+    SubmitToken,
+    WorkerToken,
+    errors,
+    source_name,
+)
+from server.models import RunStatus
+from server.schemas import (
+    CheckpointReport,
+    RunCreate,
+    RunHostPublic,
+    RunHostsPublic,
+    RunHostUpsert,
+    RunPublic,
+    RunsPublic,
+    RunTransition,
+)
+from server.services import runs as run_service
+
+router = APIRouter(prefix=f"{API_PREFIX}/runs", tags=["runs"], responses=errors(401, 403, 422))
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
+           description="same key + same body returns the same run; same key + another body is a 409"),
+]
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic,
+             responses={200: {"model": RunPublic, "description": "replay of an earlier request with this Idempotency-Key"},
+                        **errors(409)})
+def create_run(body: RunCreate, session: SessionDep, settings: SettingsDep, token: SubmitToken, response: Response,
+               idempotency_key: IdempotencyKey = None) -> RunPublic:
+    """Submit a run (QUEUED). Spec errors are 422s naming the field path; nothing is written then."""
+    run, created = run_service.create(session, body.spec, settings, idempotency_key=idempotency_key,
+                                      created_by=token.name)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    response.headers["Location"] = f"/api/v1/runs/{run.id}"
+    return RunPublic.model_validate(run)
+
+
+@router.get("", response_model=RunsPublic)
+def list_runs(session: SessionDep, settings: SettingsDep, _: ReadToken,
+              status_filter: Annotated[list[RunStatus] | None, Query(alias="status", max_length=8)] = None,
+              name: Annotated[str | None, Query(min_length=1, max_length=128,
+                                                description="substring, case-insensitive")] = None,
+              cursor: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
+              limit: Annotated[int | None, Query(ge=1, le=MAX_INT32,
+                                                 description="page size; clamped to the server's maximum")] = None,
+              ) -> RunsPublic:
+    """Newest first. Pass `next_cursor` back as `cursor` for the next page."""
+    page_size = min(limit or settings.page_size_default, settings.page_size_max)
+    rows, next_cursor = run_service.list_page(session, limit=page_size, cursor=cursor, statuses=status_filter, name=name)
+    return RunsPublic(data=[RunPublic.model_validate(run) for run in rows], next_cursor=next_cursor)
+
+
+@router.get("/{run_id}", response_model=RunPublic, responses=errors(404))
+def get_run(run_id: RunId, session: SessionDep, _: ReadToken) -> RunPublic:
+    return RunPublic.model_validate(run_service.get(session, run_id))
+
+
+@router.post("/{run_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=RunPublic,
+             responses=errors(404, 409))
+def cancel_run(run_id: RunId, session: SessionDep, token: SubmitToken) -> RunPublic:
+    """QUEUED -> CANCELLED at once; a started run goes CANCELLING and stops at its next step boundary."""
+    return RunPublic.model_validate(run_service.cancel(session, run_id, by=token.name))
+
+
+@router.post("/{run_id}/resume", status_code=status.HTTP_202_ACCEPTED, response_model=RunPublic,
+             responses=errors(404, 409))
+def resume_run(run_id: RunId, session: SessionDep, token: SubmitToken) -> RunPublic:
+    """FAILED or CANCELLED -> QUEUED as a new attempt that continues from the last checkpoint."""
+    return RunPublic.model_validate(run_service.resume(session, run_id, by=token.name))
+
+
+@router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
+               responses=errors(404, 409))
+def delete_run(run_id: RunId, session: SessionDep, _: SubmitToken) -> Response:
+    """Only finished runs (SUCCEEDED, FAILED, CANCELLED); deletes their metrics and events too."""
+    run_service.delete_run(session, run_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+# --- worker reports ---------------------------------------------------------------------------------
+
+@router.post("/{run_id}/transitions", response_model=RunPublic, responses=errors(404, 409))
+def report_transition(run_id: RunId, body: RunTransition, session: SessionDep, token: WorkerToken) -> RunPublic:
+    """A worker moves the run along its lifecycle; re-sending the state it is already in is a no-op."""
+    run = run_service.report_transition(session, run_id, body.to, reason=body.reason, expected=body.expected,
+                                        source=source_name(token))
+    return RunPublic.model_validate(run)
+
+
+@router.post("/{run_id}/checkpoints", response_model=RunPublic, responses=errors(404))
+def report_checkpoint(run_id: RunId, body: CheckpointReport, session: SessionDep, token: WorkerToken) -> RunPublic:
+    """Record a saved checkpoint; `last_checkpoint_step` only moves forward."""
+    return RunPublic.model_validate(run_service.report_checkpoint(session, run_id, body.step, source=source_name(token)))
+
+
+@router.put("/{run_id}/hosts/{process_index}", response_model=RunHostPublic, responses=errors(404))
+def upsert_run_host(run_id: RunId, process_index: Annotated[int, Path(ge=0, le=65535)], body: RunHostUpsert,
+                    session: SessionDep, _: WorkerToken) -> RunHostPublic:
+    """Create or update the row of one host process (by run, attempt, process index)."""
+    return RunHostPublic.model_validate(run_service.upsert_host_process(session, run_id, process_index, body))
+
+
+@router.get("/{run_id}/hosts", response_model=RunHostsPublic, responses=errors(404))
+def list_run_hosts(run_id: RunId, session: SessionDep, _: ReadToken,
+                   attempt: Annotated[int | None, Query(ge=0, le=MAX_INT32,
+                                                        description="default: the current attempt")] = None,
+                   ) -> RunHostsPublic:
+    rows = run_service.list_host_processes(session, run_id, attempt)
+    return RunHostsPublic(data=[RunHostPublic.model_validate(row) for row in rows])

@@ -1,0 +1,383 @@
+"""Pydantic schemas of the REST API, separate from the ORM models (STYLE habit 6).
+
+Families per resource: `XCreate` (request body), `XPublic` (one resource out), `XsPublic` (a page of them,
+`{"data": [...], "next_cursor": ...}`). Every request model forbids unknown fields, so a typo is a 422
+naming the field instead of a silently ignored value.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, field_validator
+
+from locojax.spec import RunSpec
+from server.models import AGGREGATE_HOST, HostProcessStatus, HostRole, RunStatus
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="stable machine-readable code, e.g. RUN_NOT_FOUND")
+    message: str
+    details: Any = Field(None, description="for validation errors: a list of {field, message}")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# --- runs -------------------------------------------------------------------------------------------
+
+class RunCreate(_In):
+    spec: RunSpec
+
+
+class RunPublic(_Out):
+    id: int
+    name: str
+    status: RunStatus
+    status_reason: str | None
+    mode: str
+    hosts_needed: int
+    restarts: int
+    max_restarts: int
+    attempt: int
+    cancel_requested: bool
+    decision_id: int | None
+    created_by: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    last_checkpoint_step: int | None
+    measured_step_s: float | None
+    spec_digest: str
+    spec: dict[str, Any]
+
+
+class RunsPublic(BaseModel):
+    data: list[RunPublic]
+    next_cursor: str | None = Field(None, description="pass as `cursor` for the next page; null on the last")
+
+
+class RunTransition(_In):
+    """A worker reporting a lifecycle change. Re-sending the current state is a no-op (safe retries)."""
+
+    to: RunStatus
+    reason: str | None = Field(None, max_length=4000)
+    expected: RunStatus | None = Field(None, description="fail with 409 unless the run is in this state (or already in `to`)")
+
+
+class CheckpointReport(_In):
+    step: int = Field(ge=0, le=2**31 - 1)
+
+
+class RunHostUpsert(_In):
+    host_name: str = Field(min_length=1, max_length=128)
+    role: HostRole
+    status: HostProcessStatus
+    attempt: int | None = Field(None, ge=0, le=2**31 - 1, description="default: the run's current attempt")
+    pid: int | None = Field(None, ge=0, le=2**31 - 1)
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    exit_code: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+
+
+class RunHostPublic(_Out):
+    run_id: int
+    attempt: int
+    process_index: int
+    host_name: str
+    role: HostRole
+    status: HostProcessStatus
+    pid: int | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    exit_code: int | None
+    updated_at: datetime
+
+
+class RunHostsPublic(BaseModel):
+    data: list[RunHostPublic]
+
+
+# --- metrics ----------------------------------------------------------------------------------------
+
+MetricKey = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_./:@-]+$")]
+HostIndex = Annotated[int, Field(ge=AGGREGATE_HOST, le=65535, description="process index; -1 = aggregated")]
+Step = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# JSON has no NaN/inf; storing one would make every later read of its series unserialisable.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+# pydantic renders constrained dict keys as `patternProperties`, which leaves other keys unconstrained
+# in the published schema; say exactly what is accepted instead.
+_VALUES_SCHEMA = {
+    "type": "object", "minProperties": 1, "maxProperties": 1000,
+    "propertyNames": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": r"^[A-Za-z0-9_./:@-]+$"},
+    "additionalProperties": {"type": "number"},
+    "description": "metric name -> finite value, e.g. {\"reward/mean\": 0.31, \"time/step\": 0.84}",
+}
+
+
+class MetricRow(_In):
+    """All values of one step of one host."""
+
+    step: Step
+    host: HostIndex = AGGREGATE_HOST
+    values: Annotated[dict[MetricKey, FiniteFloat], Field(min_length=1, max_length=1000), WithJsonSchema(_VALUES_SCHEMA)]
+
+
+class MetricsBatch(_In):
+    rows: list[MetricRow] = Field(min_length=1, max_length=100_000)
+
+
+class IngestResult(BaseModel):
+    run_id: int
+    values: int = Field(description="values written (inserted or updated)")
+
+
+class MetricSeries(BaseModel):
+    """Columnar points of one (key, host). With downsampling each point is one bucket of steps:
+    `steps`/`last` are the bucket's last step and its value, `min`/`max` the range inside the bucket."""
+
+    key: str
+    host: int
+    steps: list[int]
+    last: list[float]
+    min: list[float]
+    max: list[float]
+    bucket_steps: int = Field(description="steps per bucket; 1 = raw points")
+
+
+class MetricHistory(BaseModel):
+    run_id: int
+    max_points: int
+    series: list[MetricSeries]
+
+
+class MetricLatest(BaseModel):
+    step: int
+    value: float
+
+
+class MetricSummary(BaseModel):
+    run_id: int
+    host: int
+    last_step: int | None
+    values: dict[str, MetricLatest]
+
+
+class MetricKeys(BaseModel):
+    run_id: int
+    keys: list[str]
+    hosts: list[int]
+
+
+# --- events -----------------------------------------------------------------------------------------
+
+EventLevel = Literal["debug", "info", "warning", "error"]
+
+
+class EventCreate(_In):
+    message: str = Field(max_length=65536)
+    level: EventLevel = "info"
+    source: str = Field("worker", min_length=1, max_length=64)
+    ts: datetime | None = Field(None, description="when it happened; default: when the server received it")
+    seq: int | None = Field(None, ge=0, le=2**62, description="per-source sequence number; repeats are ignored")
+
+
+class EventsCreate(_In):
+    events: list[EventCreate] = Field(min_length=1, max_length=10_000)
+
+
+class EventsAccepted(BaseModel):
+    run_id: int
+    accepted: int = Field(description="events stored (repeated seq numbers are skipped)")
+
+
+class EventPublic(_Out):
+    id: int
+    run_id: int
+    ts: datetime
+    level: str
+    source: str
+    message: str
+    seq: int | None
+
+
+class EventsPublic(BaseModel):
+    data: list[EventPublic]
+    next_after: int = Field(description="pass as `after` to continue; equals `after` when nothing is new")
+
+
+# --- hosts ------------------------------------------------------------------------------------------
+
+HostName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+
+
+class HostRegister(_In):
+    name: HostName
+    slice: str | None = Field(None, max_length=128)
+    device_kind: str = Field("cpu", min_length=1, max_length=64)
+    device_count: int = Field(1, ge=0, le=4096)
+    info: dict[str, Any] = Field(default_factory=dict, description="free-form facts: cores, versions, ...")
+
+
+class HostHeartbeat(_In):
+    info: dict[str, Any] | None = Field(None, description="replaces the stored info when given")
+
+
+HostLiveness = Literal["ONLINE", "STALE", "LOST"]
+
+
+class HostPublic(BaseModel):
+    name: str
+    slice: str | None
+    device_kind: str
+    device_count: int
+    status: HostLiveness = Field(description="derived from heartbeat age (and the reconciler's LOST mark)")
+    heartbeat_age_s: float
+    last_heartbeat: datetime
+    registered_at: datetime
+    reserved_by_run_id: int | None
+    info: dict[str, Any]
+
+
+class HostsPublic(BaseModel):
+    data: list[HostPublic]
+
+
+# --- placement --------------------------------------------------------------------------------------
+
+class PlacementRecommendRequest(_In):
+    model: str = Field(min_length=1, max_length=64, description="a name from GET /api/v1/catalog/models")
+    hardware: str = Field(min_length=1, max_length=64, description="a name from GET /api/v1/catalog/hardware")
+    chips: int = Field(ge=1, le=65536)
+    chips_per_host: int | None = Field(None, ge=1, le=64)
+    workload: str = Field(min_length=1, max_length=64, description="a name from GET /api/v1/catalog/workloads")
+    prompts_per_step: int | None = Field(None, ge=1, le=1_000_000)
+    group_size: int | None = Field(None, ge=1, le=4096)
+    prompt_len: int | None = Field(None, ge=1, le=1_000_000)
+    gen_len: int | None = Field(None, ge=1, le=1_000_000)
+
+
+class PlacementOptionPublic(BaseModel):
+    mode: str
+    chips: int
+    hosts: int
+    rollout_fraction: float | None
+    step_time_s: float
+    device_s: float
+    host_s: float
+    network_s: float
+    breakdown: dict[str, Any]
+
+
+class DecisionPublic(_Out):
+    id: int
+    created_at: datetime
+    created_by: str | None
+    request: dict[str, Any]
+    options: list[dict[str, Any]]
+    choice: dict[str, Any]
+    reason: str
+    mode: str
+    predicted_step_s: float
+    measured_step_s: float | None
+    measured_at: datetime | None
+    measured_run_id: int | None
+
+
+class DecisionsPublic(BaseModel):
+    data: list[DecisionPublic]
+    next_cursor: str | None = None
+
+
+# --- catalog ----------------------------------------------------------------------------------------
+
+class CatalogModel(BaseModel):
+    name: str
+    arch: str
+    params: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    max_seq_len: int
+
+
+class CatalogEntry(BaseModel):
+    name: str
+    attributes: dict[str, Any] = Field(default_factory=dict)
+
+
+class CatalogModels(BaseModel):
+    data: list[CatalogModel]
+
+
+class CatalogEntries(BaseModel):
+    data: list[CatalogEntry]
+
+
+class CatalogNames(BaseModel):
+    data: list[str]
+
+
+# --- tokens -----------------------------------------------------------------------------------------
+
+Scope = Literal["submit", "worker", "admin"]
+
+
+class TokenCreate(_In):
+    name: str = Field(min_length=1, max_length=128)
+    scopes: list[Scope] = Field(min_length=1, max_length=3)
+    expires_in_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
+
+
+class TokenPublic(_Out):
+    id: int
+    name: str
+    prefix: str
+    scopes: list[str]
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+    @field_validator("scopes", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return value.split() if isinstance(value, str) else value
+
+
+class TokenCreated(TokenPublic):
+    token: str = Field(description="the secret; shown once, only its hash is stored")
+
+
+class TokensPublic(BaseModel):
+    data: list[TokenPublic]
+
+
+# --- health -----------------------------------------------------------------------------------------
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    status: Literal["ready"]
+    checks: dict[str, str]

@@ -1,0 +1,86 @@
+"""Host inventory: registration and heartbeats from workers, liveness derived from heartbeat age.
+
+The stored status is ONLINE or LOST (the reconciler marks LOST); what clients see adds STALE: a host
+that missed heartbeats for `host_stale_s` but not yet `host_lost_s`. Any heartbeat brings a host back.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from server.errors import ConflictError, NotFoundError
+from server.models import Host, HostRecordStatus, utcnow
+from server.schemas import HostPublic, HostRegister
+from server.settings import Settings
+
+
+def liveness(host: Host, settings: Settings, now: datetime) -> tuple[str, float]:
+    age = max(0.0, (now - host.last_heartbeat).total_seconds())
+    if host.status == HostRecordStatus.LOST or age >= settings.host_lost_s:
+        return "LOST", age
+    return ("STALE" if age >= settings.host_stale_s else "ONLINE"), age
+
+
+def to_public(host: Host, settings: Settings, now: datetime | None = None) -> HostPublic:
+    status, age = liveness(host, settings, now or utcnow())
+    return HostPublic(
+        name=host.name, slice=host.slice, device_kind=host.device_kind, device_count=host.device_count,
+        status=status, heartbeat_age_s=round(age, 3), last_heartbeat=host.last_heartbeat,
+        registered_at=host.registered_at, reserved_by_run_id=host.reserved_by_run_id, info=host.info,
+    )
+
+
+def register(session: Session, report: HostRegister) -> Host:
+    """Idempotent: a worker re-registers on every start; its reservation (if any) is kept."""
+    now = utcnow()
+    for _ in range(2):
+        host = session.scalar(select(Host).where(Host.name == report.name))
+        if host is None:
+            host = Host(name=report.name, registered_at=now)
+            session.add(host)
+        host.slice = report.slice
+        host.device_kind = report.device_kind
+        host.device_count = report.device_count
+        host.info = report.info
+        host.status = HostRecordStatus.ONLINE
+        host.last_heartbeat = now
+        try:
+            session.commit()
+            return host
+        except IntegrityError:  # registered concurrently under the same name: update that row instead
+            session.rollback()
+    raise ConflictError(f"host {report.name} is being registered concurrently", code="HOST_CONFLICT")
+
+
+def heartbeat(session: Session, name: str, info: dict | None) -> Host:
+    host = get(session, name)
+    host.last_heartbeat = utcnow()
+    host.status = HostRecordStatus.ONLINE
+    if info is not None:
+        host.info = info
+    session.commit()
+    return host
+
+
+def get(session: Session, name: str) -> Host:
+    host = session.scalar(select(Host).where(Host.name == name))
+    if host is None:
+        raise NotFoundError(f"host {name} not found", code="HOST_NOT_FOUND")
+    return host
+
+
+def list_all(session: Session) -> list[Host]:
+    return list(session.scalars(select(Host).order_by(Host.name)))
+
+
+def remove(session: Session, name: str) -> None:
+    host = get(session, name)
+    if host.reserved_by_run_id is not None:
+        raise ConflictError(f"host {name} is reserved by run {host.reserved_by_run_id}", code="HOST_RESERVED",
+                            details={"run_id": host.reserved_by_run_id})
+    session.delete(host)
+    session.commit()

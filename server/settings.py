@@ -1,0 +1,102 @@
+"""The control plane's one configuration object.
+
+This is the only module in the repository that reads environment variables (STYLE habit 3). Everything
+else receives a `Settings` instance: `create_app(settings)`, the CLI and the tests build one and pass it
+down. Variables use the prefix `LOCOJAX_`, e.g. `LOCOJAX_DATABASE_URL`, `LOCOJAX_DATA_ROOTS=/data:/mnt/ds`.
+
+Embedded defaults need no server at all: SQLite under `./.locojax/` and kombu's SQLAlchemy transport as
+the broker. Production sets `LOCOJAX_DATABASE_URL=postgresql://...` and `LOCOJAX_BROKER_URL=redis://...`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# The production broker (docker-compose); kept here so the worker and the docs name one value.
+PRODUCTION_BROKER_URL = "redis://127.0.0.1:6379/0"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOCOJAX_", extra="ignore", frozen=True)
+
+    home: Path = Field(Path(".locojax"), description="state directory of the embedded control plane")
+    database_url: str = Field("", description="SQLAlchemy URL; default: SQLite at <home>/locojax.db")
+    broker_url: str = Field(
+        "", description="Celery broker; default: SQLite via kombu's SQLAlchemy transport "
+                        f"({PRODUCTION_BROKER_URL} in production)"
+    )
+    migrate_on_start: bool | None = Field(
+        None, description="run `alembic upgrade head` when the app starts; default: only for SQLite (embedded)"
+    )
+
+    # Paths in a RunSpec are read (task.path, model.checkpoint, model.tokenizer) or written
+    # (output_dir, checkpoint.dir) by host processes; the API refuses any that leave these roots.
+    data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path(".")])
+    runs_root: Path = Path("runs")
+
+    bind_host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    log_level: str = "info"
+
+    page_size_default: int = Field(50, ge=1)
+    page_size_max: int = Field(200, ge=1)
+    metrics_batch_max_values: int = Field(100_000, ge=1, description="values in one ingest request")
+    events_batch_max: int = Field(1_000, ge=1)
+    history_max_points: int = Field(10_000, ge=2, description="upper bound of max_points in history queries")
+    history_max_series: int = Field(64, ge=1)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+
+    host_stale_s: float = Field(15.0, gt=0, description="heartbeat age after which a host shows STALE")
+    host_lost_s: float = Field(60.0, gt=0, description="heartbeat age after which a host shows LOST")
+
+    sse_poll_s: float = Field(0.5, gt=0, description="how often an SSE follower looks for new events")
+    sse_max_s: float = Field(
+        900.0, gt=0, description="an SSE stream closes after this long; EventSource reconnects with Last-Event-ID"
+    )
+    readyz_timeout_s: float = Field(2.0, gt=0)
+    token_touch_interval_s: float = Field(60.0, ge=0, description="how stale api_tokens.last_used_at may get")
+    token_cache_s: float = Field(
+        5.0, ge=0, description="authenticated tokens are remembered this long; a revocation made outside this "
+                               "API process takes effect within it (0: look every token up every time)")
+
+    @field_validator("data_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        # `NoDecode` keeps pydantic-settings from JSON-decoding the env var, so a PATH-like list works.
+        if isinstance(value, str):
+            return [part for part in value.split(os.pathsep) if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _defaults_from_home(self) -> "Settings":
+        # frozen=True: fill derived defaults through object.__setattr__ once, at construction.
+        if not self.database_url:
+            object.__setattr__(self, "database_url", f"sqlite:///{self.home / 'locojax.db'}")
+        elif self.database_url.startswith(("postgresql://", "postgres://")):
+            # psycopg 3 is the driver we ship; SQLAlchemy's bare postgresql:// means psycopg2.
+            object.__setattr__(self, "database_url", "postgresql+psycopg://" + self.database_url.split("://", 1)[1])
+        if not self.broker_url:
+            object.__setattr__(self, "broker_url", f"sqla+sqlite:///{self.home / 'broker.db'}")
+        if self.migrate_on_start is None:
+            object.__setattr__(self, "migrate_on_start", self.is_sqlite)
+        if self.host_lost_s < self.host_stale_s:
+            raise ValueError("host_lost_s must be at least host_stale_s")
+        if self.page_size_default > self.page_size_max:
+            raise ValueError("page_size_default must not exceed page_size_max")
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Settings from the environment, read once per process (CLI and Alembic entry points only)."""
+    return Settings()

@@ -1,0 +1,113 @@
+"""Run events: append (idempotent by seq), list after a cursor, follow over SSE."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from server.models import RunStatus
+from tests.server.helpers import assert_error, insert_run
+
+
+def _sse(text: str) -> list[tuple[str, dict, str | None]]:
+    """(event, data, id) triples of an event-stream body; keep-alive comments are skipped."""
+    events = []
+    for block in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        for line in block.splitlines():
+            if line.startswith(":") or ":" not in line:
+                continue
+            name, _, value = line.partition(":")
+            fields[name] = value.lstrip()
+        if "data" in fields:
+            events.append((fields.get("event", "message"), json.loads(fields["data"]), fields.get("id")))
+    return events
+
+
+def test_append_and_list_after_a_cursor(client, db, worker, submitter):
+    run_id = insert_run(db, RunStatus.RUNNING)
+    batch = [{"message": f"step {i}", "source": "host0", "seq": i} for i in range(5)]
+    assert client.post(f"/api/v1/runs/{run_id}/events", json={"events": batch}, headers=worker).json()["accepted"] == 5
+    # a retry of the same batch (plus one new line) stores only the new line
+    retry = batch + [{"message": "step 5", "source": "host0", "seq": 5}, {"message": "warn", "level": "warning"}]
+    assert client.post(f"/api/v1/runs/{run_id}/events", json={"events": retry}, headers=worker).json()["accepted"] == 2
+    first = client.get(f"/api/v1/runs/{run_id}/events", params={"limit": 4}, headers=submitter).json()
+    assert [e["message"] for e in first["data"]] == ["step 0", "step 1", "step 2", "step 3"]
+    rest = client.get(f"/api/v1/runs/{run_id}/events", params={"after": first["next_after"]}, headers=submitter).json()
+    assert [e["message"] for e in rest["data"]] == ["step 4", "step 5", "warn"]
+    done = client.get(f"/api/v1/runs/{run_id}/events", params={"after": rest["next_after"]}, headers=submitter).json()
+    assert done == {"data": [], "next_after": rest["next_after"]}
+    warnings = client.get(f"/api/v1/runs/{run_id}/events", params={"level": "warning"}, headers=submitter).json()["data"]
+    assert [(e["message"], e["source"]) for e in warnings] == [("warn", "worker")]
+
+
+def test_bad_event_batches_write_nothing(client, db, worker, submitter):
+    run_id = insert_run(db)
+    for body in ({"events": []}, {"events": [{"message": "ok"}, {"message": "x", "level": "loud"}]},
+                 {"events": [{"message": "ok"}, {"msg": "typo"}]}, {"events": [{"message": "x" * 70000}]}):
+        assert_error(client.post(f"/api/v1/runs/{run_id}/events", json=body, headers=worker), 422)
+    assert client.get(f"/api/v1/runs/{run_id}/events", headers=submitter).json()["data"] == []
+    assert_error(client.post("/api/v1/runs/777/events", json={"events": [{"message": "x"}]}, headers=worker), 404)
+    assert_error(client.get("/api/v1/runs/777/events", headers=worker), 404, "RUN_NOT_FOUND")
+
+
+def test_sse_replays_a_finished_run_then_ends(client, submitter, worker):
+    run_id = client.post("/api/v1/runs", json={"spec": {"name": "sse"}}, headers=submitter).json()["id"]
+    client.post(f"/api/v1/runs/{run_id}/cancel", headers=submitter)
+    with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream", headers=submitter) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _sse(response.read().decode())
+    kinds = [kind for kind, _, _ in events]
+    assert kinds == ["status", "log", "log", "end"]
+    assert events[0][1]["status"] == "CANCELLED" and events[-1][1]["status"] == "CANCELLED"
+    assert events[2][1]["message"].startswith("QUEUED -> CANCELLED")
+    assert events[1][2] == str(events[1][1]["id"])  # the SSE id is the event id (for Last-Event-ID)
+
+
+def test_sse_follows_a_live_run_until_it_finishes(client, db, submitter, worker):
+    run_id = insert_run(db, RunStatus.RUNNING)
+
+    def produce() -> None:
+        for i in range(3):
+            time.sleep(0.1)
+            client.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": f"live {i}"}]}, headers=worker)
+        client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "SUCCEEDED"}, headers=worker)
+
+    producer = threading.Thread(target=produce)
+    started = time.monotonic()
+    with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream", headers=submitter) as response:
+        producer.start()
+        body = response.read().decode()
+    producer.join()
+    events = _sse(body)
+    assert time.monotonic() - started < 1.5  # ended by the terminal state (with `end`), not by sse_max_s
+    logs = [data["message"] for kind, data, _ in events if kind == "log"]
+    assert logs == ["live 0", "live 1", "live 2", "RUNNING -> SUCCEEDED"]
+    statuses = [data["status"] for kind, data, _ in events if kind == "status"]
+    assert statuses == ["RUNNING", "SUCCEEDED"] and events[-1][0] == "end"
+
+
+def test_sse_resumes_after_last_event_id(client, db, submitter, worker):
+    run_id = insert_run(db, RunStatus.FAILED)
+    client.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": f"m{i}"} for i in range(4)]},
+                headers=worker)
+    ids = [e["id"] for e in client.get(f"/api/v1/runs/{run_id}/events", headers=submitter).json()["data"]]
+    with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream",
+                       headers={**submitter, "Last-Event-ID": str(ids[1])}) as response:
+        events = _sse(response.read().decode())
+    assert [data["message"] for kind, data, _ in events if kind == "log"] == ["m2", "m3"]
+
+
+def test_sse_closes_after_its_maximum_duration(client, db, submitter):
+    run_id = insert_run(db, RunStatus.RUNNING)
+    started = time.monotonic()
+    with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream", headers=submitter) as response:
+        events = _sse(response.read().decode())
+    assert 1.4 < time.monotonic() - started < 5  # sse_max_s = 1.5 in the test settings
+    assert [kind for kind, _, _ in events] == ["status"]
+
+
+def test_sse_of_unknown_run_is_404(client, submitter):
+    assert_error(client.get("/api/v1/runs/4242/events/stream", headers=submitter), 404, "RUN_NOT_FOUND")
