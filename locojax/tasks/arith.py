@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from locojax.tasks.base import GSM8K_FORMAT, Example
+from locojax.tasks.base import GSM8K_FORMAT, Example, GeneratedTask
 
 NAMES = ("Ann", "Bob", "Sam", "Eve", "Tom", "Mia", "Leo", "Zoe")
 ITEMS = ("apples", "pens", "cards", "coins", "eggs", "books", "cups", "toys")
@@ -124,20 +124,9 @@ def make_example(difficulty: int, index: int) -> Example:
     )
 
 
-class ArithTask:
+class ArithTask(GeneratedTask):
     name = "arith"
     default_rewards = ("gsm8k",)
-
-    def __init__(self, difficulty: int = 1, size: int = NOMINAL_SIZE):
-        if difficulty not in LEVELS:
-            raise ValueError(f"arith difficulty must be one of {sorted(LEVELS)}, got {difficulty}")
-        self.difficulty = difficulty
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def example(self, index: int) -> Example:
-        if not 0 <= index < self.size:
-            raise IndexError(f"arith index {index} out of range [0, {self.size})")
-        return make_example(self.difficulty, index)
+    levels = LEVELS
+    nominal_size = NOMINAL_SIZE
+    make_example = staticmethod(make_example)

@@ -50,6 +50,35 @@ class Task(Protocol):
     def example(self, index: int) -> Example: ...
 
 
+class GeneratedTask:
+    """A task whose example i is a pure function of (difficulty, i): nothing is stored, any index
+    works, and `size` only sets the epoch length. Subclasses set `name`, `default_rewards`,
+    `levels` and `make_example`."""
+
+    name: str
+    default_rewards: tuple[str, ...]
+    levels: dict
+    nominal_size = 1_000_000
+
+    def __init__(self, difficulty: int = 1, size: int | None = None):
+        if difficulty not in self.levels:
+            raise ValueError(f"{self.name} difficulty must be one of {sorted(self.levels)}, got {difficulty}")
+        self.difficulty = difficulty
+        self.size = self.nominal_size if size is None else size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def example(self, index: int) -> Example:
+        if not 0 <= index < self.size:
+            raise IndexError(f"{self.name} index {index} out of range [0, {self.size})")
+        return self.make_example(self.difficulty, index)
+
+    @staticmethod
+    def make_example(difficulty: int, index: int) -> Example:
+        raise NotImplementedError
+
+
 class DataFormatError(ValueError):
     """A local data file that does not have the shape its task expects; names file, line and field."""
 

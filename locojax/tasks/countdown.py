@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from locojax.tasks.base import ANSWER_TAG_FORMAT, Example
+from locojax.tasks.base import ANSWER_TAG_FORMAT, Example, GeneratedTask
 
 LEVELS: dict[int, tuple[int, int, str]] = {
     1: (3, 20, "+-*"),
@@ -80,20 +80,9 @@ def make_example(difficulty: int, index: int) -> Example:
     )
 
 
-class CountdownTask:
+class CountdownTask(GeneratedTask):
     name = "countdown"
     default_rewards = ("countdown",)
-
-    def __init__(self, difficulty: int = 1, size: int = NOMINAL_SIZE):
-        if difficulty not in LEVELS:
-            raise ValueError(f"countdown difficulty must be one of {sorted(LEVELS)}, got {difficulty}")
-        self.difficulty = difficulty
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def example(self, index: int) -> Example:
-        if not 0 <= index < self.size:
-            raise IndexError(f"countdown index {index} out of range [0, {self.size})")
-        return make_example(self.difficulty, index)
+    levels = LEVELS
+    nominal_size = NOMINAL_SIZE
+    make_example = staticmethod(make_example)
