@@ -1,16 +1,22 @@
-"""Qwen3-architecture policy model: config and presets, the NNX decoder, sharding, HF checkpoints."""
+"""Qwen3-architecture policy model: config and presets, the NNX decoder, sharding, HF checkpoints.
+
+The config and presets import no JAX, so the control plane (spec validation, the catalog) can use
+them without loading JAX; the decoder's names are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 from locojax.model.config import PRESETS, ModelConfig, get_preset, param_count
-from locojax.model.transformer import (
-    Cache,
-    Transformer,
-    create_model,
-    forward,
-    init_cache,
-    positions_from_mask,
-)
 
-__all__ = [
-    "PRESETS", "ModelConfig", "get_preset", "param_count", "Cache", "Transformer", "create_model",
-    "forward", "init_cache", "positions_from_mask",
-]
+_DECODER_NAMES = ("Cache", "Transformer", "create_model", "forward", "init_cache", "positions_from_mask")
+
+
+def __getattr__(name: str):
+    if name in _DECODER_NAMES:
+        return getattr(importlib.import_module("locojax.model.transformer"), name)
+    raise AttributeError(f"module 'locojax.model' has no attribute {name!r}")
+
+
+__all__ = ["PRESETS", "ModelConfig", "get_preset", "param_count", *_DECODER_NAMES]
