@@ -107,6 +107,10 @@ class ApiClient:
     def report_host_process(self, run_id: int, process_index: int, **fields: Any) -> dict[str, Any]:
         return self.request("PUT", f"/api/v1/runs/{run_id}/hosts/{process_index}", json=fields)
 
+    def list_run_hosts(self, run_id: int, attempt: int | None = None) -> list[dict[str, Any]]:
+        params = {"attempt": attempt} if attempt is not None else {}
+        return self.request("GET", f"/api/v1/runs/{run_id}/hosts", params=params)["data"]
+
     def post_metrics(self, run_id: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """rows: [{"step": int, "host": int (-1 = aggregated), "values": {key: float}}]; idempotent."""
         return self.request("POST", f"/api/v1/runs/{run_id}/metrics", json={"rows": rows})

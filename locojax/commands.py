@@ -14,6 +14,10 @@ import typer
 
 from locojax.spec import RunSpec, SpecError, load_spec
 
+# Exit code of `train`/`host` after a cooperative cancel; the worker reports such a process as stopped,
+# not failed (worker/protocol.py names the same value).
+EXIT_CANCELLED = 3
+
 SpecArg = typer.Argument(..., exists=False, help="run spec (YAML); see examples/")
 
 
@@ -38,6 +42,8 @@ def train(
     steps: Optional[int] = typer.Option(None, help="override spec.steps"),
     output_dir: Optional[Path] = typer.Option(None, help="override spec.output_dir (default runs/<name>)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists "
+                                                           "(exit code 3)"),
 ) -> None:
     """Train a run: in this process when it has one host, else start its hosts with `launch`."""
     spec = _load(spec_path)
@@ -53,12 +59,15 @@ def train(
     from locojax.modes import run_mode
     from locojax.modes.da import DAError
 
+    kwargs = {"cancel_file": cancel_file} if cancel_file is not None else {}
     try:
-        result = run_mode(spec, resume=resume, console=not quiet)
+        result = run_mode(spec, resume=resume, console=not quiet, **kwargs)
     except DAError as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{spec.name}: {result.status} after {result.steps_done} steps")
+    if result.status == "cancelled":
+        raise typer.Exit(EXIT_CANCELLED)
 
 
 def host(
@@ -93,7 +102,7 @@ def host(
     if num_processes > 1:
         jax.distributed.shutdown()
     if result.status == "cancelled":
-        raise typer.Exit(3)
+        raise typer.Exit(EXIT_CANCELLED)
 
 
 def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool) -> None:

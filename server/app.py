@@ -116,9 +116,18 @@ def create_app(settings: Settings, *, plugins: bool = True) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.migrate_on_start:
             await anyio.to_thread.run_sync(upgrade_to_head, settings.database_url)
+        scheduler = None
+        if settings.scheduler_enabled:
+            from server.scheduler import CeleryDispatcher, SchedulerLoop
+
+            scheduler = SchedulerLoop(db, settings, CeleryDispatcher(settings.broker_url))
+            scheduler.start()
+        app.state.scheduler = scheduler
         try:
             yield
         finally:
+            if scheduler is not None:
+                await anyio.to_thread.run_sync(scheduler.stop)
             db.dispose()
 
     app = FastAPI(
@@ -133,6 +142,7 @@ def create_app(settings: Settings, *, plugins: bool = True) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = db
+    app.state.scheduler = None
     app.state.prometheus = Prometheus(db, settings)
     app.state.token_cache = TokenCache(settings.token_cache_s)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)

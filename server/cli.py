@@ -117,7 +117,51 @@ def db_upgrade() -> None:
     typer.echo("database schema is at head")
 
 
+def up(
+    hosts: Annotated[int, typer.Option(min=1, max=64, help="local host workers (simulated hosts) to start")] = 2,
+    port: Annotated[int | None, typer.Option(help="API and dashboard port (default: LOCOJAX_PORT or 8000)")] = None,
+    devices_per_host: Annotated[int, typer.Option(min=1, help="CPU devices each host simulates")] = 1,
+    demo: Annotated[bool, typer.Option("--demo", help="submit the demo (SFT warm start, then GRPO on arith)")] = False,
+    exit_when_done: Annotated[bool, typer.Option("--exit-when-done", help="with --demo: stop once the demo ends")] = False,
+) -> None:
+    """Start the embedded control plane: API + dashboard, scheduler and HOSTS local workers, on SQLite
+    with no server to install. Ctrl-C stops everything."""
+    import signal
+    import threading
+
+    from server.embedded import run_demo, start
+
+    settings = get_settings()
+    port = port or settings.port
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    typer.echo(f"starting the API and {hosts} host worker(s) (logs: {settings.home / 'logs'}) ...", err=True)
+    try:
+        plane = start(settings, hosts=hosts, port=port, devices_per_host=devices_per_host)
+    except RuntimeError as exc:
+        typer.secho(f"locojax up: {exc}; see {settings.home / 'logs'}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    try:
+        typer.echo(f"\nLoCoJAX control plane is up\n"
+                   f"  dashboard  {plane.url}/\n"
+                   f"  API docs   {plane.url}/docs\n"
+                   f"  hosts      {', '.join(plane.host_names)}\n"
+                   f"  token      {plane.admin_token}\n"
+                   f"             (export LOCOJAX_URL={plane.url} LOCOJAX_TOKEN={plane.admin_token})\n"
+                   f"Ctrl-C stops everything.\n")
+        if demo:
+            run_demo(plane, stop, echo=typer.echo)
+            if exit_when_done:
+                return
+        stop.wait()
+    finally:
+        typer.echo("stopping workers and the API ...", err=True)
+        plane.stop()
+
+
 def register(app: typer.Typer) -> None:
+    app.command("up")(up)
     app.command("serve")(serve)
     app.add_typer(token_app, name="token")
     app.add_typer(db_app, name="db")

@@ -95,6 +95,10 @@ class HostProcessStatus(str, enum.Enum):
     LOST = "LOST"  # its host stopped heartbeating
 
 
+ENDED_PROCESS_STATES = frozenset({HostProcessStatus.EXITED, HostProcessStatus.FAILED, HostProcessStatus.KILLED,
+                                  HostProcessStatus.LOST})
+
+
 class HostRecordStatus(str, enum.Enum):
     """What the database stores; the API derives ONLINE/STALE/LOST from heartbeat age on top."""
 
@@ -170,6 +174,11 @@ class Run(Base):
     finished_at: Mapped[datetime | None]
     last_checkpoint_step: Mapped[int | None]
     measured_step_s: Mapped[float | None] = mapped_column(Double)
+    # Scheduler bookkeeping: when the current attempt's host group was sent out; a run requeued after a
+    # failed start is not tried again before `not_before` (exponential backoff on `dispatch_failures`).
+    dispatched_at: Mapped[datetime | None]
+    not_before: Mapped[datetime | None]
+    dispatch_failures: Mapped[int] = mapped_column(default=0, server_default="0")
 
 
 class RunHost(Base):
@@ -189,7 +198,13 @@ class RunHost(Base):
     started_at: Mapped[datetime | None]
     ended_at: Mapped[datetime | None]
     exit_code: Mapped[int | None]
+    # Process 0 of a multi-host attempt publishes its JAX coordinator ADDR:PORT here; its peers wait for it.
+    address: Mapped[str | None] = mapped_column(String(255))
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED_PROCESS_STATES
 
 
 class Host(Base):

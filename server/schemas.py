@@ -91,6 +91,9 @@ class RunHostUpsert(_In):
     started_at: datetime | None = None
     ended_at: datetime | None = None
     exit_code: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+    address: str | None = Field(None, max_length=255, pattern=r"^[A-Za-z0-9.:\[\]_-]+:[0-9]{1,5}$",
+                                description="process 0: its JAX coordinator ADDR:PORT")
+    reason: str | None = Field(None, max_length=4000, description="why the process ended (kept as a run event)")
 
 
 class RunHostPublic(_Out):
@@ -104,6 +107,7 @@ class RunHostPublic(_Out):
     started_at: datetime | None
     ended_at: datetime | None
     exit_code: int | None
+    address: str | None
     updated_at: datetime
 
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # The production broker (docker-compose); kept here so the worker and the docs name one value.
@@ -55,6 +55,17 @@ class Settings(BaseSettings):
     host_stale_s: float = Field(15.0, gt=0, description="heartbeat age after which a host shows STALE")
     host_lost_s: float = Field(60.0, gt=0, description="heartbeat age after which a host shows LOST")
 
+    # The scheduler and reconciler (server.scheduler) run in the API process; several API replicas may
+    # run them at once (PostgreSQL row locks keep them apart).
+    scheduler_enabled: bool = Field(True, description="run the gang scheduler and reconciler in this API process")
+    scheduler_interval_s: float = Field(0.5, gt=0, description="how often the scheduler looks at the tables")
+    start_timeout_s: float = Field(60.0, gt=0, description="a host group not started by then is requeued")
+    dispatch_resend_s: float = Field(10.0, gt=0, description="start messages unanswered this long are sent again")
+    kill_timeout_s: float = Field(30.0, gt=0, description="an old attempt's process still alive this long after "
+                                                          "a recovery began is given up as lost")
+    requeue_backoff_s: float = Field(2.0, gt=0, description="first backoff of a requeued run; doubles per failure")
+    requeue_backoff_max_s: float = Field(60.0, gt=0)
+
     sse_poll_s: float = Field(0.5, gt=0, description="how often an SSE follower looks for new events")
     sse_max_s: float = Field(
         900.0, gt=0, description="an SSE stream closes after this long; EventSource reconnects with Last-Event-ID"
@@ -64,6 +75,16 @@ class Settings(BaseSettings):
     token_cache_s: float = Field(
         5.0, ge=0, description="authenticated tokens are remembered this long; a revocation made outside this "
                                "API process takes effect within it (0: look every token up every time)")
+
+    # The dashboard (web/): a login exchanges an API token for a signed session cookie.
+    dashboard_secret: SecretStr | None = Field(
+        None, description="key that signs dashboard session cookies; default: a random key kept in "
+                          "<home>/dashboard.key, so every API process sharing that home accepts the same cookies")
+    dashboard_session_ttl_s: float = Field(12 * 3600.0, gt=0, description="a dashboard login lasts this long")
+    dashboard_secure_cookies: bool | None = Field(
+        None, description="mark the session cookie Secure; default: when the request came over https")
+    dashboard_poll_s: float = Field(2.0, gt=0, description="how often live dashboard widgets refresh")
+    dashboard_chart_points: int = Field(300, ge=10, le=10_000, description="points per chart series (downsampled)")
 
     @field_validator("data_roots", mode="before")
     @classmethod
@@ -90,6 +111,22 @@ class Settings(BaseSettings):
         if self.page_size_default > self.page_size_max:
             raise ValueError("page_size_default must not exceed page_size_max")
         return self
+
+    def as_environment(self, **extra: str) -> dict[str, str]:
+        """This process's environment with these settings as LOCOJAX_* variables (and `extra` on top):
+        what a child process (the API or a worker started by `locojax up`) needs to see the same
+        configuration."""
+        env = dict(os.environ)
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, list):
+                value = os.pathsep.join(str(item) for item in value)
+            elif isinstance(value, bool):
+                value = "true" if value else "false"
+            env[f"LOCOJAX_{name.upper()}"] = str(value)
+        env.update(extra)
+        return env
 
     @property
     def is_sqlite(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Response, status
+from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 
 from server.api.deps import (
     API_PREFIX,
@@ -44,13 +44,14 @@ IdempotencyKey = Annotated[
              responses={200: {"model": RunPublic, "description": "replay of an earlier request with this Idempotency-Key"},
                         **errors(409)})
 def create_run(body: RunCreate, session: SessionDep, settings: SettingsDep, token: SubmitToken, response: Response,
-               idempotency_key: IdempotencyKey = None) -> RunPublic:
+               request: Request, idempotency_key: IdempotencyKey = None) -> RunPublic:
     """Submit a run (QUEUED). Spec errors are 422s naming the field path; nothing is written then."""
     run, created = run_service.create(session, body.spec, settings, idempotency_key=idempotency_key,
                                       created_by=token.name)
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/api/v1/runs/{run.id}"
+    wake_scheduler(request)
     return RunPublic.model_validate(run)
 
 
@@ -76,16 +77,20 @@ def get_run(run_id: RunId, session: SessionDep, _: ReadToken) -> RunPublic:
 
 @router.post("/{run_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=RunPublic,
              responses=errors(404, 409))
-def cancel_run(run_id: RunId, session: SessionDep, token: SubmitToken) -> RunPublic:
+def cancel_run(run_id: RunId, session: SessionDep, token: SubmitToken, request: Request) -> RunPublic:
     """QUEUED -> CANCELLED at once; a started run goes CANCELLING and stops at its next step boundary."""
-    return RunPublic.model_validate(run_service.cancel(session, run_id, by=token.name))
+    run = RunPublic.model_validate(run_service.cancel(session, run_id, by=token.name))
+    wake_scheduler(request)
+    return run
 
 
 @router.post("/{run_id}/resume", status_code=status.HTTP_202_ACCEPTED, response_model=RunPublic,
              responses=errors(404, 409))
-def resume_run(run_id: RunId, session: SessionDep, token: SubmitToken) -> RunPublic:
+def resume_run(run_id: RunId, session: SessionDep, token: SubmitToken, request: Request) -> RunPublic:
     """FAILED or CANCELLED -> QUEUED as a new attempt that continues from the last checkpoint."""
-    return RunPublic.model_validate(run_service.resume(session, run_id, by=token.name))
+    run = RunPublic.model_validate(run_service.resume(session, run_id, by=token.name))
+    wake_scheduler(request)
+    return run
 
 
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
@@ -94,6 +99,13 @@ def delete_run(run_id: RunId, session: SessionDep, _: SubmitToken) -> Response:
     """Only finished runs (SUCCEEDED, FAILED, CANCELLED); deletes their metrics and events too."""
     run_service.delete_run(session, run_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def wake_scheduler(request: Request) -> None:
+    """Let the scheduler act on a change now rather than at its next interval."""
+    scheduler = getattr(request.app.state, "scheduler", None)
+    if scheduler is not None:
+        scheduler.wake()
 
 
 # --- worker reports ---------------------------------------------------------------------------------
@@ -114,9 +126,12 @@ def report_checkpoint(run_id: RunId, body: CheckpointReport, session: SessionDep
 
 @router.put("/{run_id}/hosts/{process_index}", response_model=RunHostPublic, responses=errors(404))
 def upsert_run_host(run_id: RunId, process_index: Annotated[int, Path(ge=0, le=65535)], body: RunHostUpsert,
-                    session: SessionDep, _: WorkerToken) -> RunHostPublic:
-    """Create or update the row of one host process (by run, attempt, process index)."""
-    return RunHostPublic.model_validate(run_service.upsert_host_process(session, run_id, process_index, body))
+                    session: SessionDep, _: WorkerToken, request: Request) -> RunHostPublic:
+    """Create or update the row of one host process (by run, attempt, process index); the run follows
+    (all started -> RUNNING, all exited -> SUCCEEDED, one failed -> RECOVERING or FAILED)."""
+    row = RunHostPublic.model_validate(run_service.upsert_host_process(session, run_id, process_index, body))
+    wake_scheduler(request)
+    return row
 
 
 @router.get("/{run_id}/hosts", response_model=RunHostsPublic, responses=errors(404))

@@ -31,6 +31,7 @@ from server.models import (
     AGGREGATE_HOST,
     TERMINAL_STATES,
     Host,
+    HostProcessStatus,
     PlacementDecision,
     Run,
     RunEvent,
@@ -95,6 +96,10 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str | None 
         values["cancel_requested"] = True
     if to is S.RECOVERING:
         values["restarts"] = run.restarts + 1
+        values["attempt"] = run.attempt + 1
+    if to is S.QUEUED and current is S.STARTING:
+        # The host group did not start in time and is requeued: a new attempt, so a start message of
+        # the old one that arrives late is recognised as stale by the worker.
         values["attempt"] = run.attempt + 1
     if reopen:
         # A resume is a fresh attempt with a fresh restart budget, continuing from the last checkpoint.
@@ -322,28 +327,34 @@ def report_checkpoint(session: Session, run_id: int, step: int, *, source: str) 
 
 
 def upsert_host_process(session: Session, run_id: int, process_index: int, report: RunHostUpsert) -> RunHost:
-    run = get(session, run_id)
+    """Create or update one host process row, then let the lifecycle settle the run (one transaction).
+
+    The run row is locked first, so reports from the hosts of one run apply one at a time and each sees
+    the others' effect (e.g. the last of N processes to exit is the one that ends the run).
+    """
+    from server.services import lifecycle  # lifecycle builds on this module
+
+    run = get_for_update(session, run_id)
     attempt = run.attempt if report.attempt is None else report.attempt
     row = session.scalar(select(RunHost).where(
         RunHost.run_id == run_id, RunHost.attempt == attempt, RunHost.process_index == process_index))
     if row is None:
         row = RunHost(run_id=run_id, attempt=attempt, process_index=process_index)
         session.add(row)
-    fields = report.model_dump(exclude={"attempt"}, exclude_unset=True)
+    fields = report.model_dump(exclude={"attempt", "reason"}, exclude_unset=True)
+    changed = any(getattr(row, name, None) != value for name, value in fields.items())
     for name, value in fields.items():
         setattr(row, name, value)
     row.updated_at = utcnow()
-    try:
-        session.commit()
-    except IntegrityError:
-        # The same process reported twice at once; apply this report to the row that won.
-        session.rollback()
-        row = session.scalars(select(RunHost).where(
-            RunHost.run_id == run_id, RunHost.attempt == attempt, RunHost.process_index == process_index)).one()
-        for name, value in fields.items():
-            setattr(row, name, value)
-        row.updated_at = utcnow()
-        session.commit()
+    session.flush()
+    if changed and report.reason:
+        level = "error" if report.status in (HostProcessStatus.FAILED, HostProcessStatus.LOST) else "info"
+        events.record(session, run_id, f"{lifecycle.describe(row)} (attempt {attempt}) "
+                                       f"{row.status.value.lower()}: {report.reason}", level=level,
+                      source=f"host{process_index}")
+    if changed:
+        lifecycle.settle(session, run, source=f"host{process_index}")
+    session.commit()
     return row
 
 

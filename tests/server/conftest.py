@@ -75,7 +75,7 @@ def make_settings(tmp: Path, database_url: str, **overrides: Any) -> Settings:
     values: dict[str, Any] = dict(
         home=tmp / "home", database_url=database_url, broker_url="memory://", migrate_on_start=False,
         data_roots=[tmp / "data"], runs_root=tmp / "runs", sse_poll_s=0.02, sse_max_s=1.5, readyz_timeout_s=1.0,
-        page_size_max=20, page_size_default=10,
+        page_size_max=20, page_size_default=10, scheduler_enabled=False,
     )
     values.update(overrides)
     return Settings(**values)

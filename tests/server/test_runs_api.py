@@ -293,8 +293,12 @@ def test_run_host_processes(client, db, submitter, worker):
     update = {"host_name": "h0", "role": "co", "status": "FAILED", "exit_code": -9}
     row = client.put(f"/api/v1/runs/{run_id}/hosts/0", json=update, headers=worker).json()
     assert (row["status"], row["exit_code"], row["pid"], row["attempt"]) == ("FAILED", -9, 1000, 3)
-    rows = client.get(f"/api/v1/runs/{run_id}/hosts", headers=submitter).json()["data"]
+    # A failed process sends the run to RECOVERING, a new attempt (the lifecycle, tested in test_scheduling).
+    run = client.get(f"/api/v1/runs/{run_id}", headers=submitter).json()
+    assert (run["status"], run["attempt"]) == ("RECOVERING", 4)
+    rows = client.get(f"/api/v1/runs/{run_id}/hosts", params={"attempt": 3}, headers=submitter).json()["data"]
     assert [(r["process_index"], r["host_name"], r["status"]) for r in rows] == [(0, "h0", "FAILED"), (1, "h1", "STARTING")]
+    assert client.get(f"/api/v1/runs/{run_id}/hosts", headers=submitter).json()["data"] == []
     assert client.get(f"/api/v1/runs/{run_id}/hosts", params={"attempt": 2}, headers=submitter).json()["data"] == []
     bad = {"host_name": "h0", "role": "mystery", "status": "RUNNING"}
     assert_error(client.put(f"/api/v1/runs/{run_id}/hosts/0", json=bad, headers=worker), 422)

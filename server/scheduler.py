@@ -1,0 +1,84 @@
+"""The scheduler loop: runs `services.scheduling.tick` every `scheduler_interval_s` in a thread of the
+API process and sends the start messages it returns through Celery.
+
+A failing tick (database or broker down) is logged and retried on the next one: every decision is in
+the database, so the loop itself holds no state worth losing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+from server.db import Database
+from server.services import scheduling
+from server.services.scheduling import StartMessage
+from server.settings import Settings
+
+log = logging.getLogger("locojax.scheduler")
+
+
+class Dispatcher(Protocol):
+    def send(self, message: StartMessage) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CeleryDispatcher:
+    """Sends `start_host` to the queue of the host a message names."""
+
+    def __init__(self, broker_url: str):
+        from worker.protocol import make_celery
+
+        self.app = make_celery(broker_url)
+
+    def send(self, message: StartMessage) -> None:
+        from worker.protocol import START_HOST_TASK, host_queue
+
+        self.app.send_task(START_HOST_TASK, kwargs=message.task_kwargs(), queue=host_queue(message.host_name),
+                           retry=True, retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5})
+
+    def close(self) -> None:
+        self.app.close()
+
+
+class SchedulerLoop:
+    def __init__(self, db: Database, settings: Settings, dispatcher: Dispatcher):
+        self.db = db
+        self.settings = settings
+        self.dispatcher = dispatcher
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="locojax-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Look now (a run was submitted, resumed or cancelled) instead of at the next interval."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.dispatcher.close()
+
+    def tick(self) -> int:
+        with self.db.write_session() as session:
+            messages = scheduling.tick(session, self.settings)
+        for message in messages:
+            self.dispatcher.send(message)
+            log.info("sent start_host run=%s attempt=%s process=%s to %s", message.run_id, message.attempt,
+                     message.process_index, message.host_name)
+        return len(messages)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the next tick retries; the database holds the decisions
+                log.exception("scheduler tick failed; retrying")
+            self._wake.wait(self.settings.scheduler_interval_s)
+            self._wake.clear()

@@ -1,0 +1,46 @@
+"""`locojax worker`: run a host worker (joined to the CLI through the `locojax.commands` entry point)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Annotated
+
+import typer
+
+
+def worker(
+    name: Annotated[str, typer.Option(help="host name; the worker consumes queue host.<name>")] = socket.gethostname(),
+    url: Annotated[str, typer.Option("--url", envvar="LOCOJAX_URL", help="control-plane URL")] = "http://127.0.0.1:8000",
+    token: Annotated[str | None, typer.Option("--token", envvar="LOCOJAX_TOKEN", show_default=False,
+                                              help="a worker-scoped token (locojax token create --scope worker)")] = None,
+    broker_url: Annotated[str, typer.Option("--broker-url", envvar="LOCOJAX_BROKER_URL",
+                                            help="Celery broker (redis://... in production)")] = "",
+    address: Annotated[str, typer.Option(help="address peers use to reach this host's JAX coordinator")] = "127.0.0.1",
+    devices: Annotated[int, typer.Option(min=1, help="accelerator devices of this host (CPU: simulated)")] = 1,
+    cores: Annotated[str | None, typer.Option(help="pin this worker and its engine processes to these cores, e.g. 0,1")] = None,
+    heartbeat_s: Annotated[float, typer.Option(min=0.1, help="seconds between heartbeats")] = 2.0,
+) -> None:
+    """Run a host worker: registers this host, heartbeats, and starts engine host processes for the
+    runs the scheduler places here."""
+    import logging
+
+    from locojax.client import ApiClient
+    from worker.app import run_worker
+
+    if not token:
+        typer.echo("no token: pass --token or set LOCOJAX_TOKEN (locojax token create --scope worker)", err=True)
+        raise typer.Exit(2)
+    if not broker_url:
+        typer.echo("no broker: pass --broker-url or set LOCOJAX_BROKER_URL (the API's broker)", err=True)
+        raise typer.Exit(2)
+    try:
+        pinned = [int(part) for part in cores.split(",")] if cores else None
+    except ValueError:
+        raise typer.BadParameter(f"not a comma-separated list of core numbers: {cores!r}", param_hint="--cores") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with ApiClient(url, token, timeout=10.0) as api:
+        run_worker(name, api, broker_url, address=address, devices=devices, cores=pinned, heartbeat_s=heartbeat_s)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("worker")(worker)

@@ -1,0 +1,387 @@
+"""`start_host`: one engine host process of one attempt of a run, from start to exit, told to the API.
+
+The worker never runs engine code in its own process: a JAX peer failure (a dead coordinator, a
+collective that aborts) ends the `locojax host` subprocess, not the worker. While the process runs,
+the supervisor
+  * relays what it writes: `metrics.jsonl` rows (process 0 writes every host's and the aggregate
+    rows) in batches, output lines as run events, new checkpoints as checkpoint reports; every post
+    is idempotent (metrics upsert on run/step/host/key, events carry sequence numbers), so a retry or a
+    restarted attempt re-sending old rows writes nothing twice;
+  * polls the run: CANCELLING -> touch the cancel file (the engine stops at its next step boundary),
+    then SIGTERM after `cancel_grace_s`, SIGKILL after `term_grace_s` more; a run that moved on (a new
+    attempt after a recovery, or a final state) -> the process is stopped at once;
+  * reports the process's end (EXITED, FAILED with the phase it was in, or KILLED) after the last
+    metrics are delivered, so the run's final transition sees all of them.
+When the API is unreachable (database restarting) everything is buffered and retried.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from locojax.client import ApiClient, ApiClientError
+from locojax.spec import RunSpec, dump_spec
+from worker.protocol import EXIT_CANCELLED
+
+log = logging.getLogger("locojax.worker")
+
+METRICS_BATCH_ROWS = 500
+EVENTS_BATCH = 200
+EVENT_SEQ_PER_ATTEMPT = 1_000_000_000  # output line n of attempt a has seq a * this + n
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """What a worker knows about itself; set once by `locojax worker`."""
+
+    host_name: str
+    api: ApiClient
+    address: str = "127.0.0.1"  # where peers reach this host's JAX coordinator
+    devices: int = 1
+    poll_s: float = 0.5
+    cancel_grace_s: float = 8.0
+    term_grace_s: float = 4.0
+    report_deadline_s: float = 300.0  # how long a final report keeps being retried (API/database down)
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the worker dies (even by SIGKILL), the kernel kills the host
+    process too, so a lost worker never leaves an orphan holding devices and ports."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _retrying(fn: Any, *args: Any, deadline_s: float, what: str, **kwargs: Any) -> Any:
+    """Call the API until it answers (transport errors and 5xx are retried with backoff; 4xx are final)."""
+    delay, start = 0.2, time.monotonic()
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except ApiClientError as exc:
+            if exc.status < 500 or time.monotonic() - start > deadline_s:
+                raise
+            error: Exception = exc
+        except httpx.TransportError as exc:
+            if time.monotonic() - start > deadline_s:
+                raise
+            error = exc
+        log.warning("%s failed (%s); retrying in %.1f s", what, error, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+class MetricsRelay:
+    """Tails `metrics.jsonl` and posts complete lines in batches; keeps undelivered rows."""
+
+    def __init__(self, api: ApiClient, run_id: int, path: Path):
+        self.api, self.run_id, self.path = api, run_id, path
+        self.offset = 0
+        self.pending: list[dict[str, Any]] = []
+        self.delivered_steps: set[int] = set()
+
+    def read(self) -> None:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
+        self.offset += end
+        for line in chunk[:end].splitlines():
+            row = _metric_row(line)
+            if row is not None:
+                self.pending.append(row)
+
+    def flush(self) -> bool:
+        """Post what is pending; False when the API could not be reached (kept for the next flush)."""
+        while self.pending:
+            batch = self.pending[:METRICS_BATCH_ROWS]
+            try:
+                self.api.post_metrics(self.run_id, batch)
+            except (httpx.TransportError, ApiClientError) as exc:
+                if isinstance(exc, ApiClientError) and exc.status < 500:
+                    log.error("metrics batch refused, dropped: %s", exc)  # retrying cannot make it valid
+                else:
+                    return False
+            del self.pending[:len(batch)]
+        return True
+
+
+def _metric_row(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+        step, host = int(record.pop("step")), record.pop("host")
+    except (ValueError, KeyError, TypeError):
+        return None
+    host_index = -1 if host == "all" else int(host)
+    # JSON nulls are the engine's non-finite values; the API stores finite floats only.
+    values = {key: float(value) for key, value in record.items()
+              if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+    return {"step": step, "host": host_index, "values": values} if values else None
+
+
+class OutputRelay:
+    """Reads the process's merged stdout/stderr in a thread; posts lines as events with sequence numbers."""
+
+    def __init__(self, api: ApiClient, run_id: int, source: str, seq_base: int, stream: Any):
+        self.api, self.run_id, self.source, self.seq_base = api, run_id, source, seq_base
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.pending: list[dict[str, Any]] = []
+        self.count = 0
+        self.tail: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name=f"output-{source}")
+        self.thread.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def collect(self) -> None:
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line is None or not line.strip():
+                continue
+            self.count += 1
+            self.tail = (self.tail + [line])[-5:]
+            level = "error" if line.startswith(("Traceback", "Error", "jax.errors", "RuntimeError")) else "info"
+            self.pending.append({"message": line[:65536], "level": level, "source": self.source,
+                                 "seq": self.seq_base + self.count, "ts": now_utc().isoformat()})
+
+    def flush(self) -> bool:
+        while self.pending:
+            batch = self.pending[:EVENTS_BATCH]
+            try:
+                self.api.post_events(self.run_id, batch)
+            except (httpx.TransportError, ApiClientError) as exc:
+                if isinstance(exc, ApiClientError) and exc.status < 500:
+                    log.error("events batch refused, dropped: %s", exc)
+                else:
+                    return False
+            del self.pending[:len(batch)]
+        return True
+
+
+class HostSupervisor:
+    def __init__(self, context: WorkerContext, *, run_id: int, attempt: int, process_index: int,
+                 num_processes: int, role: str, resume: bool, output_dir: str):
+        self.ctx, self.api = context, context.api
+        self.run_id, self.attempt, self.index = run_id, attempt, process_index
+        self.num_processes, self.role, self.resume = num_processes, role, resume
+        self.out = Path(output_dir)
+        self.control = self.out / ".control"
+        self.cancel_file = self.control / f"cancel-attempt{attempt}-host{process_index}"
+        self.process: subprocess.Popen[str] | None = None
+
+    # --- reports ---------------------------------------------------------------------------------
+
+    def report(self, status: str, *, final: bool = False, **fields: Any) -> None:
+        body = {"host_name": self.ctx.host_name, "role": self.role, "status": status, "attempt": self.attempt,
+                **fields}
+        _retrying(self.api.report_host_process, self.run_id, self.index,
+                  deadline_s=self.ctx.report_deadline_s if final else 30.0, what=f"report {status}", **body)
+
+    def _run_now(self) -> dict[str, Any] | None:
+        try:
+            return self.api.get_run(self.run_id)
+        except (httpx.TransportError, ApiClientError) as exc:
+            if isinstance(exc, ApiClientError) and exc.status == 404:
+                return {"status": "DELETED", "attempt": -1}
+            return None  # unknown for now; keep running
+
+    # --- the task ---------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        run = _retrying(self.api.get_run, self.run_id, deadline_s=30.0, what="read run")
+        if run["attempt"] != self.attempt or run["status"] != "STARTING":
+            log.info("run %s attempt %s is stale (now attempt %s, %s); not starting", self.run_id, self.attempt,
+                     run["attempt"], run["status"])
+            return "stale"
+        mine = next((row for row in self.api.list_run_hosts(self.run_id, self.attempt)
+                     if row["process_index"] == self.index), None)
+        if mine is None or mine["host_name"] != self.ctx.host_name or mine["pid"] is not None:
+            return "duplicate"  # a resent message for a process that is already started (or not ours)
+        spec = RunSpec.model_validate({**run["spec"], "output_dir": str(self.out)})
+        self.control.mkdir(parents=True, exist_ok=True)
+        self.cancel_file.unlink(missing_ok=True)
+        spec_path = self.control / f"spec-attempt{self.attempt}-host{self.index}.yaml"
+        spec_path.write_text(dump_spec(spec), encoding="utf-8")
+
+        coordinator = None
+        if self.num_processes > 1:
+            coordinator = self._coordinator()
+            if coordinator is None:
+                return "stale"
+        command = self.command(spec, spec_path, coordinator)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        self.report("RUNNING", pid=self.process.pid, started_at=now_utc().isoformat())
+        log.info("run %s attempt %s: host process %s started (pid %s)", self.run_id, self.attempt, self.index,
+                 self.process.pid)
+        return self.supervise(spec)
+
+    def _coordinator(self) -> str | None:
+        """Process 0 picks a free port and publishes ADDR:PORT; the others wait for it."""
+        if self.index == 0:
+            from locojax.launch import free_port
+
+            address = f"{self.ctx.address}:{free_port()}"
+            self.report("STARTING", address=address)
+            return address
+        while True:
+            rows = _retrying(self.api.list_run_hosts, self.run_id, self.attempt, deadline_s=30.0,
+                             what="read coordinator")
+            first = next((row for row in rows if row["process_index"] == 0), None)
+            if first is not None and first["address"]:
+                return first["address"]
+            run = self._run_now()
+            if run is not None and (run["attempt"] != self.attempt or run["status"] != "STARTING"):
+                return None
+            time.sleep(0.2)
+
+    def command(self, spec: RunSpec, spec_path: Path, coordinator: str | None) -> list[str]:
+        common = ["--quiet", "--cancel-file", str(self.cancel_file)] + (["--resume"] if self.resume else [])
+        if self.role == "co":
+            command = [sys.executable, "-m", "locojax.cli", "host", str(spec_path), "--process-id", str(self.index),
+                       "--num-processes", str(self.num_processes),
+                       "--devices-per-host", str(spec.placement.devices_per_host)]
+            if coordinator:
+                command += ["--coordinator", coordinator]
+            return command + common
+        return [sys.executable, "-m", "locojax.cli", "train", str(spec_path)] + common
+
+    def supervise(self, spec: RunSpec) -> str:
+        assert self.process is not None and self.process.stdout is not None
+        output = OutputRelay(self.api, self.run_id, f"host{self.index}", self.attempt * EVENT_SEQ_PER_ATTEMPT,
+                             self.process.stdout)
+        metrics = MetricsRelay(self.api, self.run_id, self.out / "metrics.jsonl") if self.index == 0 else None
+        checkpoint_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else self.out / "checkpoints"
+        reported_checkpoint: int | None = None
+        cancel_at: float | None = None
+        stop_reason: str | None = None  # set when the supervisor stops the process on purpose
+        term_at: float | None = None
+        last_poll = 0.0
+        while True:
+            returncode = self.process.poll()
+            output.collect()
+            output.flush()
+            if metrics is not None:
+                metrics.read()
+                metrics.flush()
+                reported_checkpoint = self._report_checkpoint(checkpoint_dir, reported_checkpoint)
+            if returncode is not None:
+                break
+            now = time.monotonic()
+            if now - last_poll >= 1.0:
+                last_poll = now
+                run = self._run_now()
+                if run is not None and stop_reason is None:
+                    if run["attempt"] != self.attempt or run["status"] in ("QUEUED", "RECOVERING", "SUCCEEDED",
+                                                                           "FAILED", "CANCELLED", "DELETED"):
+                        stop_reason = f"the run moved on ({run['status']}, attempt {run['attempt']})"
+                        term_at = now
+                    elif run["status"] == "CANCELLING" and cancel_at is None:
+                        self.cancel_file.touch()
+                        cancel_at = now
+                        log.info("run %s: cancel requested; waiting for the step boundary", self.run_id)
+                if cancel_at is not None and term_at is None and now - cancel_at >= self.ctx.cancel_grace_s:
+                    stop_reason = f"did not stop within {self.ctx.cancel_grace_s:g} s of the cancel request"
+                    term_at = now
+            if term_at is not None:
+                self._stop(term_at)
+            time.sleep(self.ctx.poll_s)
+
+        output.thread.join(timeout=5)
+        output.collect()
+        def delivered() -> bool:
+            if metrics is not None:
+                metrics.read()
+                if not metrics.flush():
+                    return False
+            return output.flush()
+
+        deadline = time.monotonic() + self.ctx.report_deadline_s
+        # The last metrics (and the last checkpoint) land before the exit report that may end the run.
+        while not delivered():
+            if time.monotonic() > deadline:
+                log.error("run %s: gave up delivering %d metric rows", self.run_id,
+                          len(metrics.pending) if metrics else 0)
+                break
+            time.sleep(1.0)
+        if metrics is not None:
+            self._report_checkpoint(checkpoint_dir, reported_checkpoint)
+        return self._report_exit(returncode, stop_reason, output.tail)
+
+    def _stop(self, term_at: float) -> None:
+        """SIGTERM the process group, then SIGKILL it `term_grace_s` later."""
+        assert self.process is not None
+        signum = signal.SIGTERM if time.monotonic() - term_at < self.ctx.term_grace_s else signal.SIGKILL
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def _report_checkpoint(self, directory: Path, reported: int | None) -> int | None:
+        try:
+            steps = [int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+        except FileNotFoundError:
+            return reported
+        latest = max(steps, default=None)
+        if latest is not None and (reported is None or latest > reported):
+            try:
+                self.api.report_checkpoint(self.run_id, latest)
+                return latest
+            except (httpx.TransportError, ApiClientError):
+                return reported
+        return reported
+
+    def _report_exit(self, returncode: int, stop_reason: str | None, tail: list[str]) -> str:
+        fields: dict[str, Any] = {"exit_code": returncode, "ended_at": now_utc().isoformat()}
+        if returncode == 0:
+            status, reason = "EXITED", "exited cleanly"
+        elif returncode == EXIT_CANCELLED:
+            status, reason = "EXITED", "stopped at a step boundary on a cancel request"
+        elif stop_reason is not None:
+            status, reason = "KILLED", f"stopped by its worker: {stop_reason}"
+        else:
+            status = "FAILED"
+            cause = (f"killed by {signal.Signals(-returncode).name}" if returncode < 0
+                     else f"exit code {returncode}")
+            where = self._last_phase()
+            reason = cause + (f" {where}" if where else "") + (f"; last output: {tail[-1][:500]}" if tail else "")
+        self.report(status, final=True, reason=reason, **fields)
+        log.info("run %s attempt %s: host process %s %s (%s)", self.run_id, self.attempt, self.index, status, reason)
+        return status.lower()
+
+    def _last_phase(self) -> str:
+        try:
+            state = json.loads((self.out / "hosts" / f"host{self.index}.json").read_text())
+            return f"in phase {state['phase']} of step {state['step']}"
+        except (OSError, ValueError, KeyError):
+            return ""
