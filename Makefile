@@ -15,7 +15,17 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The dashboard's browser libraries: exact versions from package.json (no lock file, see .npmrc),
+# their dist files copied into web/static/vendor/ (ignored by git).
+VENDOR := web/static/vendor
+$(VENDOR)/.installed: package.json
+	npm install --no-save --no-audit --no-fund
+	mkdir -p $(VENDOR)
+	cp node_modules/htmx.org/dist/htmx.min.js node_modules/uplot/dist/uPlot.iife.min.js \
+	   node_modules/uplot/dist/uPlot.min.css $(VENDOR)/
+	touch $@
+
+install: $(STAMP) $(VENDOR)/.installed
 
 demo: install
 	$(VENV)/bin/locojax demo

@@ -8,7 +8,6 @@ path), and dropped afterwards: a SQLite file, and a fresh database on the local 
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,8 +17,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from server.app import create_app
@@ -27,16 +25,11 @@ from server.db import Database, upgrade_to_head
 from server.models import utcnow
 from server.services import tokens as token_service
 from server.settings import Settings
+from tests.conftest import DEFAULT_PG_ADMIN_URL  # noqa: F401 - re-exported for tests/web
 
-DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 # Emptied before every test; api_tokens is kept, so the tokens fixture is made once per backend.
 TABLES = ["step_metrics", "step_metric_rollups", "step_metric_series", "run_events", "run_hosts", "hosts", "runs",
           "placement_decisions"]
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--postgres-url", default=DEFAULT_PG_ADMIN_URL,
-                     help="a PostgreSQL database URL whose server may create and drop test databases")
 
 
 @pytest.fixture(scope="session")
@@ -44,30 +37,6 @@ def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'locojax.db'}"
     upgrade_to_head(url)
     return url
-
-
-@pytest.fixture(scope="session")
-def postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    admin_url = make_url(request.config.getoption("--postgres-url")).set(drivername="postgresql+psycopg")
-    name = f"locojax_test_{secrets.token_hex(4)}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
-    try:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-            # Durability of a throwaway database is worth nothing; skipping the fsync per commit makes
-            # the PostgreSQL half of the suite several times faster.
-            connection.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
-    except Exception as exc:  # no server here: the SQLite half still runs
-        admin.dispose()
-        pytest.skip(f"PostgreSQL not reachable at {admin_url.render_as_string(hide_password=True)}: {exc}")
-    url = admin_url.set(database=name).render_as_string(hide_password=False)
-    try:
-        upgrade_to_head(url)
-        yield url
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def make_settings(tmp: Path, database_url: str, **overrides: Any) -> Settings:

@@ -1,0 +1,44 @@
+"""Fixtures shared by every test package: a fresh database on the local PostgreSQL per test session."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--postgres-url", default=DEFAULT_PG_ADMIN_URL,
+                     help="a PostgreSQL database URL whose server may create and drop test databases")
+
+
+@pytest.fixture(scope="session")
+def postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A new, migrated database (dropped afterwards); skips when no server answers."""
+    from server.db import upgrade_to_head
+
+    admin_url = make_url(request.config.getoption("--postgres-url")).set(drivername="postgresql+psycopg")
+    name = f"locojax_test_{secrets.token_hex(4)}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+            # Durability of a throwaway database is worth nothing; skipping the fsync per commit makes
+            # the PostgreSQL tests several times faster.
+            connection.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
+    except Exception as exc:  # no server here: the SQLite tests still run
+        admin.dispose()
+        pytest.skip(f"PostgreSQL not reachable at {admin_url.render_as_string(hide_password=True)}: {exc}")
+    url = admin_url.set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade_to_head(url)
+        yield url
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

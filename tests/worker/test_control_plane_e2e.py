@@ -1,0 +1,184 @@
+"""End to end on the real local PostgreSQL and Redis: the API (with its scheduler) and three Celery host
+workers as separate processes, real `locojax host` engine processes with `jax.distributed` across them.
+
+Every run here is submitted over REST and observed only through the REST API and the process table,
+as a user or operator would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from locojax.client import ApiClient
+from locojax.launch import free_port
+from server.embedded import ControlPlane, start
+from server.settings import Settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.postgres, pytest.mark.redis]
+
+REDIS_URL = "redis://127.0.0.1:6379/7"  # a database of its own, emptied before the module
+
+
+def tiny_spec(name: str, *, hosts: int, steps: int, every: int = 0, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name, "seed": 0, "model": {"preset": "tiny"}, "task": {"name": "arith", "difficulty": 1},
+        "rollout": {"prompts_per_step": 4, "group_size": 2, "max_prompt_tokens": 48, "max_new_tokens": 6},
+        "optim": {"lr": 3e-4, "warmup_steps": 0}, "steps": steps,
+        "placement": {"mode": "co", "hosts": hosts, "devices_per_host": 1},
+        "checkpoint": {"every": every, "keep": 2}, **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def plane(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    try:
+        redis.Redis.from_url(REDIS_URL).flushdb()
+    except redis.ConnectionError as exc:
+        pytest.skip(f"Redis not reachable: {exc}")
+    tmp = tmp_path_factory.mktemp("plane")
+    settings = Settings(
+        home=tmp / "home", database_url=postgres_url, broker_url=REDIS_URL, migrate_on_start=False,
+        runs_root=tmp / "runs", data_roots=[tmp], scheduler_interval_s=0.3, host_stale_s=4.0, host_lost_s=10.0,
+        start_timeout_s=120.0, kill_timeout_s=20.0, log_level="warning",
+    )
+    control_plane = start(settings, hosts=3, port=free_port())
+    yield control_plane
+    control_plane.stop()
+    alive = [name for name, process in control_plane.processes.items() if process.poll() is None]
+    assert alive == []
+
+
+@pytest.fixture
+def api(plane: ControlPlane) -> Iterator[ApiClient]:
+    with plane.client() as client:
+        yield client
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str, poll_s: float = 0.3) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def wait_final(api: ApiClient, run_id: int, timeout_s: float = 300.0) -> dict[str, Any]:
+    return wait_until(lambda: (run := api.get_run(run_id))["status"] in {"SUCCEEDED", "FAILED", "CANCELLED"} and run,
+                      timeout_s, f"run {run_id} to finish")
+
+
+def last_step(api: ApiClient, run_id: int) -> int:
+    step = api.metric_summary(run_id)["last_step"]
+    return -1 if step is None else step
+
+
+def steps_of(api: ApiClient, run_id: int, key: str, host: int) -> list[int]:
+    series = api.metric_history(run_id, [key], hosts=[host], max_points=10_000)["series"]
+    return series[0]["steps"] if series else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it holds nothing, and its parent (the worker) reaps it.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def host_pids(api: ApiClient, run_id: int, attempt: int | None = None) -> list[int]:
+    return [row["pid"] for row in api.list_run_hosts(run_id, attempt) if row["pid"]]
+
+
+def test_two_host_co_run_through_celery_succeeds_with_every_metric(api: ApiClient):
+    decision = api.request("POST", "/api/v1/placement/recommend",
+                           json={"model": "tiny", "hardware": "local-cpu", "chips": 2, "chips_per_host": 1,
+                                 "workload": "arith"})
+    steps = 5
+    spec = tiny_spec("e2e-co", hosts=2, steps=steps, placement={"mode": "co", "hosts": 2, "devices_per_host": 1,
+                                                               "decision_id": decision["id"]})
+    run = api.submit(spec)
+    final = wait_final(api, run["id"])
+    assert final["status"] == "SUCCEEDED", final["status_reason"]
+
+    rows = api.list_run_hosts(run["id"])
+    assert sorted((r["process_index"], r["status"], r["exit_code"]) for r in rows) == [(0, "EXITED", 0), (1, "EXITED", 0)]
+    assert len({r["host_name"] for r in rows}) == 2  # two workers, two hosts
+    for host in (-1, 0, 1):
+        for key in ("time/step", "reward/mean", "time/host"):
+            assert steps_of(api, run["id"], key, host) == list(range(steps)), (key, host)
+    # One jax.distributed job: both processes hold identical parameters after every step.
+    checksums = {host: api.metric_history(run["id"], ["params/checksum"], hosts=[host])["series"][0]["last"]
+                 for host in (0, 1)}
+    assert checksums[0] == checksums[1]
+    assert final["measured_step_s"] and final["measured_step_s"] > 0
+    measured = api.request("GET", f"/api/v1/placement/decisions/{decision['id']}")
+    assert measured["measured_step_s"] == pytest.approx(final["measured_step_s"])
+    assert measured["measured_run_id"] == run["id"]
+
+
+def test_cancel_mid_run_ends_cancelled_quickly_with_no_process_left(api: ApiClient):
+    run = api.submit(tiny_spec("e2e-cancel", hosts=2, steps=400, every=2))
+    wait_until(lambda: last_step(api, run["id"]) >= 2, 240, "two steps")
+    pids = host_pids(api, run["id"])
+    assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    asked = time.monotonic()
+    api.cancel_run(run["id"])
+    final = wait_final(api, run["id"], timeout_s=30)
+    took = time.monotonic() - asked
+    assert final["status"] == "CANCELLED" and took < 15, (final["status"], took)
+    wait_until(lambda: not any(alive(pid) for pid in pids), 5, "the host processes to be gone")
+    assert final["last_checkpoint_step"] is not None and final["last_checkpoint_step"] >= 2
+
+
+def test_kill_9_of_a_host_process_recovers_from_the_checkpoint(api: ApiClient):
+    steps = 10
+    run = api.submit(tiny_spec("e2e-kill", hosts=2, steps=steps, every=2, max_restarts=2))
+    wait_until(lambda: (api.get_run(run["id"])["last_checkpoint_step"] or 0) >= 2 and last_step(api, run["id"]) >= 3,
+               240, "a checkpoint and four steps")
+    victim = next(row for row in api.list_run_hosts(run["id"]) if row["process_index"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until(lambda: api.get_run(run["id"])["restarts"] >= 1, 30, "the run to go RECOVERING")
+    final = wait_final(api, run["id"])
+    assert final["status"] == "SUCCEEDED", final["status_reason"]
+    assert (final["restarts"], final["attempt"]) == (1, 1)
+    messages = [event["message"] for event in api.events(run["id"])["data"]]
+    assert any("RUNNING -> RECOVERING" in m and "exit code -9" in m for m in messages), messages
+    assert any("RECOVERING -> STARTING" in m and "from the checkpoint at step" in m for m in messages), messages
+    for host in (-1, 0, 1):
+        for key in ("time/step", "reward/mean"):
+            assert steps_of(api, run["id"], key, host) == list(range(steps)), (key, host)  # each step exactly once
+    assert not any(alive(pid) for pid in host_pids(api, run["id"], 0) + host_pids(api, run["id"], 1))
+
+
+def test_two_runs_of_two_hosts_on_three_hosts_never_half_reserve(api: ApiClient):
+    first = api.submit(tiny_spec("e2e-gang-a", hosts=2, steps=6))
+    second = api.submit(tiny_spec("e2e-gang-b", hosts=2, steps=2))
+    seen_first_running = False
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        a, b = api.get_run(first["id"]), api.get_run(second["id"])
+        held_by_b = sum(1 for host in api.request("GET", "/api/v1/hosts")["data"]
+                        if host["reserved_by_run_id"] == second["id"])
+        assert held_by_b in (0, 2), f"run {second['id']} holds {held_by_b} of its 2 hosts"
+        if a["status"] in ("STARTING", "RUNNING"):
+            seen_first_running = True
+            assert b["status"] == "QUEUED"
+        if a["status"] == "SUCCEEDED":
+            break
+        time.sleep(0.2)
+    assert seen_first_running
+    assert wait_final(api, second["id"])["status"] == "SUCCEEDED"

@@ -1,0 +1,1 @@
+"""The dashboard's routers, one per page family."""
