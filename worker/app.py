@@ -74,13 +74,15 @@ class Heartbeat:
 
 
 def run_worker(name: str, api: ApiClient, broker_url: str, *, address: str, devices: int, cores: list[int] | None,
-               heartbeat_s: float, loglevel: str = "INFO") -> None:
+               heartbeat_s: float, slice_name: str | None = None, device_kind: str = "cpu",
+               loglevel: str = "INFO") -> None:
     """Block running the worker until it is told to stop (SIGTERM/SIGINT)."""
     if cores:
         os.sched_setaffinity(0, cores)  # the engine processes it starts inherit the pinning
     context = WorkerContext(host_name=name, api=api, address=address, devices=devices)
     info = {"address": address, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
-    heartbeat = Heartbeat(api, name, device_kind="cpu", device_count=devices, info=info, interval_s=heartbeat_s)
+    heartbeat = Heartbeat(api, name, device_kind=device_kind, device_count=devices, info=info, interval_s=heartbeat_s,
+                          slice_name=slice_name)
     heartbeat.start()
     app = create_worker_app(broker_url, context)
     try:

@@ -17,8 +17,10 @@ def worker(
                                             help="Celery broker (redis://... in production)")] = "",
     address: Annotated[str, typer.Option(help="address peers use to reach this host's JAX coordinator")] = "127.0.0.1",
     devices: Annotated[int, typer.Option(min=1, help="accelerator devices of this host (CPU: simulated)")] = 1,
+    device_kind: Annotated[str, typer.Option(help="what the devices are, e.g. cpu, tpu-v5e, h100")] = "cpu",
     cores: Annotated[str | None, typer.Option(help="pin this worker and its engine processes to these cores, e.g. 0,1")] = None,
     heartbeat_s: Annotated[float, typer.Option(min=0.1, help="seconds between heartbeats")] = 2.0,
+    slice_name: Annotated[str | None, typer.Option("--slice", help="the TPU slice (or group) this host belongs to")] = None,
 ) -> None:
     """Run a host worker: registers this host, heartbeats, and starts engine host processes for the
     runs the scheduler places here."""
@@ -39,7 +41,8 @@ def worker(
         raise typer.BadParameter(f"not a comma-separated list of core numbers: {cores!r}", param_hint="--cores") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with ApiClient(url, token, timeout=10.0) as api:
-        run_worker(name, api, broker_url, address=address, devices=devices, cores=pinned, heartbeat_s=heartbeat_s)
+        run_worker(name, api, broker_url, address=address, devices=devices, cores=pinned, heartbeat_s=heartbeat_s,
+                   slice_name=slice_name, device_kind=device_kind)
 
 
 def register(app: typer.Typer) -> None:

@@ -182,3 +182,26 @@ def test_two_runs_of_two_hosts_on_three_hosts_never_half_reserve(api: ApiClient)
         time.sleep(0.2)
     assert seen_first_running
     assert wait_final(api, second["id"])["status"] == "SUCCEEDED"
+
+
+def test_a_da_run_goes_to_its_driver_host_and_leaves_no_ray_behind(api: ApiClient):
+    spec = tiny_spec("e2e-da", hosts=2, steps=3)
+    spec["placement"] = {"mode": "da", "hosts": 2, "devices_per_host": 1, "rollout_fraction": 0.5}
+    run = api.submit(spec)
+    final = wait_final(api, run["id"])
+    assert final["status"] == "SUCCEEDED", final["status_reason"]
+    rows = api.list_run_hosts(run["id"])
+    assert [(r["process_index"], r["role"], r["status"]) for r in rows] == [(0, "controller", "EXITED")]
+    assert steps_of(api, run["id"], "da/staleness", -1) == [0, 1, 2]
+    assert wait_until(lambda: not processes_named(b"raylet"), 10, "Ray to shut down") is True
+
+
+def processes_named(fragment: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and fragment in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked
+    return found
