@@ -96,6 +96,12 @@
     var scales = {x: {time: false}};
     // A stack is read from zero; an unstacked line is read best zoomed to its own range.
     if (chart.stacked) scales.y = {range: function (u, low, high) { return [0, high > 0 ? high * 1.05 : 1]; }};
+    // A flat series (reward 0 for every step) would get uPlot's default 0..100; pad around its value.
+    else scales.y = {range: function (u, low, high) {
+      if (low === null || high === null) return [0, 1];
+      if (low === high) { var pad = low !== 0 ? Math.abs(low) * 0.1 : 1; return [low - pad, high + pad]; }
+      return uPlot.rangeNum(low, high, 0.1, true);
+    }};
     var plot = new uPlot({
       width: plotWidth(figure), height: 200, series: shape.series, bands: shape.bands, scales: scales,
       axes: [{label: "step", incrs: STEP_INCREMENTS}, {size: 60}], legend: {live: true},
