@@ -27,8 +27,10 @@ $(VENDOR)/.installed: package.json
 
 install: $(STAMP) $(VENDOR)/.installed
 
+# The embedded control plane (API, dashboard, scheduler, one local host worker on SQLite), with the
+# demo submitted through its REST API; `locojax demo` runs the same two runs without the control plane.
 demo: install
-	$(VENV)/bin/locojax demo
+	$(VENV)/bin/locojax up --hosts 1 --demo
 
 test: install
 	$(PY) -m pytest -q

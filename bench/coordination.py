@@ -67,7 +67,9 @@ def write_gsm8k_like(path: Path, count: int = 2000, seed: int = 0) -> None:
             f.write(json.dumps({"question": question, "answer": answer}) + "\n")
 
 
-def run_mode(workdir: Path, workload: str, mode: str, steps: int, data: Path) -> dict:
+def run_mode(workdir: Path, workload: str, mode: str, steps: int, data: Path, keep_records: bool = False) -> dict:
+    """Train one (workload, mode) run in a subprocess; its medians, plus its spec and metric records
+    when `keep_records` (bench/placement_accuracy.py predicts and calibrates from them)."""
     name = f"{workload}-{mode}"
     spec = {"name": name, "seed": 0, "model": {"preset": "tiny"},
             "task": {**WORKLOADS[workload]["task"], "path": str(data)},
@@ -89,6 +91,8 @@ def run_mode(workdir: Path, workload: str, mode: str, steps: int, data: Path) ->
     summary["steps_measured"] = len(steady)
     summary["wall_s"] = time.perf_counter() - start
     summary["settings"] = {"model": "tiny", **WORKLOADS[workload]["rollout"], "placement": MODES[mode]}
+    if keep_records:
+        summary["spec"], summary["records"] = spec, rows
     return summary
 
 
@@ -96,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     results: dict = {"machine": {"cores": 2}, "steps": args.steps, "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,8 +114,8 @@ def main() -> None:
                 "co_vs_sc": modes["sc"]["median_step_s"] / modes["co"]["median_step_s"],
                 "da_vs_co": modes["co"]["median_step_s"] / modes["da"]["median_step_s"],
             }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
     print(f"{'workload':<14}{'mode':<5}{'step s':>8}{'device':>8}{'host':>8}{'network':>9}")
     for workload, entry in results["workloads"].items():
         for mode, s in entry["modes"].items():

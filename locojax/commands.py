@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from locojax.spec import RunSpec, SpecError, load_spec
+from locojax.spec import RunSpec, SpecError, load_spec, parse_spec
 
 # Exit code of `train`/`host` after a cooperative cancel; the worker reports such a process as stopped,
 # not failed (worker/protocol.py names the same value).
@@ -36,6 +36,15 @@ def configure_jax(devices_per_host: int) -> None:
     jax.config.update("jax_num_cpu_devices", devices_per_host)
 
 
+def _with(spec: RunSpec, **overrides) -> RunSpec:
+    """`spec` with top-level fields replaced, validated again (an override can make a spec invalid)."""
+    try:
+        return parse_spec({**spec.model_dump(mode="json"), **overrides}, "spec with command-line overrides")
+    except SpecError as exc:
+        typer.secho(str(exc), fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
 def train(
     spec_path: Path = SpecArg,
     resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
@@ -45,23 +54,24 @@ def train(
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists "
                                                            "(exit code 3)"),
 ) -> None:
-    """Train a run: in this process when it has one host, else start its hosts with `launch`."""
+    """Train a run (GRPO, or SFT for `kind: sft`): in this process when it has one host, else start its
+    hosts with `launch`."""
     spec = _load(spec_path)
     overrides = {k: v for k, v in {"steps": steps, "output_dir": str(output_dir) if output_dir else None}.items()
                  if v is not None}
     if overrides:
-        spec = RunSpec.model_validate({**spec.model_dump(), **overrides})
+        spec = _with(spec, **overrides)
     placement = spec.placement
-    if placement.mode == "co" and placement.hosts > 1:
-        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet)
+    if spec.kind == "grpo" and placement.mode == "co" and placement.hosts > 1:
+        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file)
         return
-    configure_jax(placement.devices_per_host if placement.mode == "co" else placement.hosts * placement.devices_per_host)
+    single_host = spec.kind == "sft" or placement.mode == "co"
+    configure_jax(placement.devices_per_host if single_host else placement.hosts * placement.devices_per_host)
     from locojax.modes import run_mode
     from locojax.modes.da import DAError
 
-    kwargs = {"cancel_file": cancel_file} if cancel_file is not None else {}
     try:
-        result = run_mode(spec, resume=resume, console=not quiet, **kwargs)
+        result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file)
     except DAError as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
@@ -80,8 +90,13 @@ def host(
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists"),
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
-    """Run one host of a multi-host job: what every TPU VM (or simulated host) runs."""
+    """Run one host of a multi-host job: what every TPU VM (or simulated host) runs. An SFT spec
+    (`kind: sft`) runs here too, as the single host of its job."""
     spec = _load(spec_path)
+    if spec.kind == "sft" and num_processes > 1:
+        typer.secho(f"{spec_path}: placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), "
+                    f"but this host was started as one of --num-processes {num_processes}", fg="red", err=True)
+        raise typer.Exit(2)
     configure_jax(devices_per_host)
     import jax
 
@@ -105,7 +120,8 @@ def host(
         raise typer.Exit(EXIT_CANCELLED)
 
 
-def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool) -> None:
+def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool,
+                 cancel_file: Path | None = None) -> None:
     import tempfile
 
     from locojax.launch import LaunchError, launch
@@ -115,6 +131,8 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         handle.write(dump_spec(spec))
     extra = (["--resume"] if resume else []) + (["--quiet"] if quiet else [])
+    # Every host watches the same file; CO hosts agree on it in their per-step gather.
+    extra += ["--cancel-file", str(cancel_file)] if cancel_file is not None else []
     try:
         launch(handle.name, hosts, devices_per_host, extra, status_dir=output_dir(spec))
     except LaunchError as exc:
@@ -134,36 +152,48 @@ def launch_command(
     """Start HOSTS `locojax host` processes here (pinned to their own cores, on a free loopback port);
     if one fails, the rest are stopped and the failure is reported."""
     spec = _load(spec_path)
-    placement = {**spec.placement.model_dump(), "hosts": hosts, "devices_per_host": devices_per_host}
-    spec = RunSpec.model_validate({**spec.model_dump(), "placement": placement})
+    spec = _with(spec, placement={**spec.placement.model_dump(), "hosts": hosts, "devices_per_host": devices_per_host})
     _launch_spec(spec, hosts, devices_per_host, resume, quiet)
 
 
 def sft(
     spec_path: Path = SpecArg,
-    out: Path = typer.Option(..., help="directory for the HF checkpoint a GRPO spec's model.checkpoint can name"),
-    steps: int = typer.Option(400, help="SFT steps"),
-    batch_size: int = typer.Option(128, help="examples per step"),
-    lr: float = typer.Option(1e-3, help="learning rate, held constant after a short warmup"),
+    out: Optional[Path] = typer.Option(None, help="the run's output directory (default: spec.output_dir or "
+                                       "runs/<name>); the model a GRPO spec's model.checkpoint names is <out>/model"),
+    steps: Optional[int] = typer.Option(None, help="SFT steps (default: spec.steps)"),
+    batch_size: Optional[int] = typer.Option(None, help="examples per step (default: rollout.prompts_per_step)"),
+    lr: Optional[float] = typer.Option(None, help="learning rate (default: optim.lr)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run's latest checkpoint"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
-    """Warm-start a policy with teacher-forced SFT on the spec's task reference answers."""
-    spec = _load(spec_path)
-    configure_jax(1)
-    from locojax import metrics as m
-    from locojax.sft import run_sft
+    """Warm-start a policy with teacher-forced SFT on the spec's task reference answers.
 
-    logger = m.MetricsLogger([m.ConsoleSink(steps, description=f"sft {spec.name}")])
-    try:
-        last = run_sft(spec, out, steps, batch_size, lr, logger)
-    finally:
-        logger.close()
-    typer.echo(f"sft: loss {last.get('loss/sft', float('nan')):.4f} after {steps} steps -> {out}")
+    The same as `locojax train` on the spec with `kind: sft` (any spec works: a GRPO spec is run as SFT);
+    the options override the spec's fields. Writes metrics.jsonl and checkpoints like any run, and
+    exports <out>/model when done."""
+    spec = _load(spec_path)
+    rollout = {**spec.rollout.model_dump(), **({"prompts_per_step": batch_size} if batch_size else {})}
+    optim = {**spec.optim.model_dump(), **({"lr": lr} if lr else {})}
+    overrides = {"kind": "sft", "rollout": rollout, "optim": optim,
+                 "placement": {**spec.placement.model_dump(), "mode": "co", "hosts": 1, "rollout_fraction": None}}
+    if steps is not None:
+        overrides["steps"] = steps
+    if out is not None:
+        overrides["output_dir"] = str(out)
+    spec = _with(spec, **overrides)
+    configure_jax(spec.placement.devices_per_host)
+    from locojax import metrics as m
+    from locojax.sft import export_dir, run_sft
+
+    result = run_sft(spec, resume=resume, console=not quiet)
+    loss = result.final_metrics.get(m.LOSS_SFT, float("nan"))
+    typer.echo(f"sft: {result.status}, loss {loss:.4f} after {result.steps_done} steps -> {export_dir(spec)}")
 
 
 def demo(
     out: Path = typer.Option(Path("runs/demo"), help="where the demo writes checkpoints, metrics and a plot"),
-    sft_steps: int = typer.Option(150, help="SFT warm-start steps"),
-    grpo_steps: int = typer.Option(80, help="GRPO steps"),
+    sft_steps: Optional[int] = typer.Option(None, help="SFT warm-start steps (default: the demo's)"),
+    grpo_steps: Optional[int] = typer.Option(None, help="GRPO steps (default: the demo's)"),
     seed: int = typer.Option(0),
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
@@ -171,7 +201,8 @@ def demo(
     configure_jax(1)
     from locojax.demo import run_demo
 
-    summary = run_demo(out, console=not quiet, sft_steps=sft_steps, grpo_steps=grpo_steps, seed=seed)
+    kwargs = {k: v for k, v in {"sft_steps": sft_steps, "grpo_steps": grpo_steps}.items() if v is not None}
+    summary = run_demo(out, console=not quiet, seed=seed, **kwargs)
     typer.echo(summary)
 
 

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Mode = Literal["co", "da", "sc"]
+Kind = Literal["grpo", "sft"]
 
 
 class _Strict(BaseModel):
@@ -43,21 +44,26 @@ class ModelSpec(_Strict):
 class TaskSpec(_Strict):
     name: str = Field("arith", max_length=64)
     path: str | None = Field(None, max_length=4096, description="local JSONL/parquet for gsm8k and math")
-    difficulty: int = Field(1, ge=1, le=5, description="generated tasks only")
+    difficulty: int = Field(1, ge=0, le=5, description="generated tasks only; 0 (bare `12+7=` equations) is arith only")
     reward: list[str] | None = Field(None, max_length=8, description="reward functions; default: the task's own")
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> "TaskSpec":
         if self.name in ("gsm8k", "math") and not self.path:
             raise ValueError(f"task.path is required for task {self.name!r} (a local JSONL or parquet file)")
+        if self.difficulty == 0 and self.name != "arith":
+            raise ValueError(f"task.difficulty 0 exists for arith only; {self.name!r} starts at 1")
         return self
 
 
 class RolloutSpec(_Strict):
-    prompts_per_step: int = Field(32, ge=1, le=65536)
+    prompts_per_step: int = Field(32, ge=1, le=65536,
+                                  description="prompts per step (GRPO: each sampled group_size times); "
+                                  "SFT: the batch size, examples per step")
     group_size: int = Field(8, ge=1, le=1024)
-    max_prompt_tokens: int = Field(128, ge=1, le=131072)
-    max_new_tokens: int = Field(24, ge=1, le=131072)
+    max_prompt_tokens: int = Field(128, ge=1, le=131072, description="prompt slots (left-padded, left-truncated)")
+    max_new_tokens: int = Field(24, ge=1, le=131072,
+                                description="completion slots; SFT: reference + EOS slots (longer ones are cut)")
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000, description="0 disables top-k")
@@ -74,9 +80,11 @@ class AlgoSpec(_Strict):
 
 
 class OptimSpec(_Strict):
-    lr: float = Field(3e-4, gt=0.0, le=1.0)
+    lr: float = Field(3e-4, gt=0.0, le=1.0, description="peak AdamW learning rate (GRPO and SFT alike)")
     warmup_steps: int = Field(5, ge=0, le=10_000_000)
-    decay: Literal["constant", "cosine"] = "constant"
+    decay: Literal["constant", "cosine"] = Field(
+        "constant", description="after warmup; keep SFT warm starts constant (a decayed end leaves a model "
+        "that GRPO makes worse)")
     grad_clip: float = Field(1.0, gt=0.0, le=1e6)
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     b1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -121,6 +129,13 @@ class CheckpointSpec(_Strict):
 
 class RunSpec(_Strict):
     name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    kind: Kind = Field(
+        "grpo",
+        description="grpo: RL in the placement's mode. sft: a teacher-forced warm start on the task's reference "
+        "answers, single host (placement.hosts 1, data parallel over its devices); batch size "
+        "rollout.prompts_per_step, learning rate optim.*, prompt/reference slots rollout.max_prompt_tokens/"
+        "max_new_tokens; it exports <output_dir>/model, a directory a GRPO spec's model.checkpoint can name",
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1)
     model: ModelSpec = ModelSpec()
     task: TaskSpec = TaskSpec()
@@ -135,6 +150,15 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "RunSpec":
+        if self.kind == "sft":
+            if self.placement.hosts != 1:
+                raise ValueError(f"placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), "
+                                 f"got {self.placement.hosts}")
+            if self.rollout.prompts_per_step % self.placement.devices_per_host:
+                raise ValueError(
+                    f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is the SFT batch and must be "
+                    f"divisible by placement.devices_per_host ({self.placement.devices_per_host})")
+            return self
         hosts = self.placement.hosts
         if self.placement.mode == "da":
             hosts = self.placement.rollout_hosts

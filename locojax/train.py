@@ -118,6 +118,8 @@ def init_train_state(params: nnx.State, optimizer: Optimizer, seed: int | jax.Ar
 # ------------------------------------------------------------------------------------------------
 # Log-probs of completions
 
+_TRIM = True  # temporary A/B switch
+
 
 def completion_logprobs_and_entropy(
     graphdef: nnx.GraphDef,
@@ -135,9 +137,15 @@ def completion_logprobs_and_entropy(
     if tokens.shape[1] != prompt_len + new_len:
         raise ValueError(f"tokens has {tokens.shape[1]} slots, expected P+N = {prompt_len}+{new_len}")
     kv_mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)  # [B, P+N]
-    logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask)  # [B, P+N, V]
-    # Slot i predicts token i+1, so completion token j is scored by slot P+j-1.
-    logits = logits[:, prompt_len - 1 : prompt_len + new_len - 1] / temperature  # [B, N, V]
+    # Slot i predicts token i+1, so completion token j is scored by slot P+j-1: only those N slots'
+    # logits are computed (the last layer, norm and head skip the rest).
+    if _TRIM:
+        logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask,
+                            output_slots=(prompt_len - 1, prompt_len + new_len - 1))  # [B, N, V]
+    else:
+        logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask)
+        logits = logits[:, prompt_len - 1 : prompt_len + new_len - 1]
+    logits = logits / temperature  # [B, N, V]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     # Pads after EOS may hold any id; point them at 0 so the gather stays in range.
     targets = jnp.where(completion_mask, tokens[:, prompt_len:], 0)  # [B, N]

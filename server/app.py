@@ -71,10 +71,18 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:
-            # FastAPI's only 400 is a body it could not decode (e.g. not UTF-8); every other malformed
-            # body is a 422, so clients see one status for "your body is wrong".
-            return _error(422, "VALIDATION_ERROR", "body: could not be parsed as UTF-8 JSON",
-                          [{"field": "", "location": "body", "message": str(exc.detail), "type": "body_parsing"}])
+            # FastAPI's only 400 is a body it could not decode; every other malformed body is a 422, so
+            # clients see one status for "your body is wrong". FastAPI wraps the decoder's exception
+            # (`raise ... from`): name what it was.
+            cause = exc.__cause__
+            if isinstance(cause, RecursionError):
+                problem, kind = "nested too deeply", "json_invalid"
+            elif isinstance(cause, UnicodeDecodeError):
+                problem, kind = f"not UTF-8 ({cause.reason} at byte {cause.start})", "body_parsing"
+            else:
+                problem, kind = "could not be parsed as UTF-8 JSON", "body_parsing"
+            return _error(422, "VALIDATION_ERROR", f"body: {problem}",
+                          [{"field": "", "location": "body", "message": problem, "type": kind}])
         code = _HTTP_CODES.get(exc.status_code, f"HTTP_{exc.status_code}")
         return _error(exc.status_code, code, str(exc.detail), None, dict(exc.headers or {}))
 

@@ -163,10 +163,15 @@ def wait_for_run(client: ApiClient, run_id: int, *, on_progress: Any = None, pol
         time.sleep(poll_s)
 
 
-def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, out: Path = Path("runs/demo")) -> None:
-    """Submit the demo through the REST API and follow it: SFT warm start, then GRPO from its checkpoint."""
+def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, out: Path | None = None) -> None:
+    """Submit the demo through the REST API and follow it: SFT warm start, then GRPO from its checkpoint.
+
+    Each demo writes a directory of its own under the runs root: a second `make demo` must not find
+    (and relay, or resume from) the first one's metrics and checkpoints.
+    """
     from locojax.demo import demo_specs, reward_summary
 
+    out = out or Path(plane.settings.runs_root) / time.strftime("demo-%Y%m%d-%H%M%S")
     sft_spec, grpo_spec = demo_specs(out)
     with plane.client() as client:
         for spec in (sft_spec, grpo_spec):

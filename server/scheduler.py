@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import datetime
 from typing import Protocol
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from server.db import Database
+from server.models import utcnow
 from server.services import scheduling
 from server.services.scheduling import StartMessage
 from server.settings import Settings
@@ -51,6 +55,7 @@ class SchedulerLoop:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="locojax-scheduler", daemon=True)
+        self._watching_since: datetime | None = None  # since when ticks have reached the database unbroken
 
     def start(self) -> None:
         self._thread.start()
@@ -66,8 +71,17 @@ class SchedulerLoop:
         self.dispatcher.close()
 
     def tick(self) -> int:
-        with self.db.write_session() as session:
-            messages = scheduling.tick(session, self.settings)
+        # Heartbeats reach the database only through the API; while this loop could not reach the
+        # database (or this API process was not running) hosts could not report, so the reconciler
+        # only judges heartbeats it has been able to watch for a while (see scheduling.check_hosts).
+        since = self._watching_since or utcnow()
+        try:
+            with self.db.write_session() as session:
+                messages = scheduling.tick(session, self.settings, watching_since=since)
+        except (OperationalError, InterfaceError):
+            self._watching_since = None  # the database is unreachable; so it is for the heartbeats
+            raise
+        self._watching_since = since
         for message in messages:
             self.dispatcher.send(message)
             log.info("sent start_host run=%s attempt=%s process=%s to %s", message.run_id, message.attempt,

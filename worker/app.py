@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from typing import Any
 
 import httpx
@@ -80,7 +81,9 @@ def run_worker(name: str, api: ApiClient, broker_url: str, *, address: str, devi
     if cores:
         os.sched_setaffinity(0, cores)  # the engine processes it starts inherit the pinning
     context = WorkerContext(host_name=name, api=api, address=address, devices=devices)
-    info = {"address": address, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
+    # `instance` tells the API this is a new worker process: whatever the previous one ran is gone.
+    info = {"address": address, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
+            "instance": uuid.uuid4().hex}
     heartbeat = Heartbeat(api, name, device_kind=device_kind, device_count=devices, info=info, interval_s=heartbeat_s,
                           slice_name=slice_name)
     heartbeat.start()

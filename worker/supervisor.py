@@ -98,6 +98,7 @@ class MetricsRelay:
         self.offset = 0
         self.pending: list[dict[str, Any]] = []
         self.delivered_steps: set[int] = set()
+        self.batch_rows = METRICS_BATCH_ROWS  # halved while the API refuses batches as too large (413)
 
     def read(self) -> None:
         try:
@@ -116,10 +117,15 @@ class MetricsRelay:
     def flush(self) -> bool:
         """Post what is pending; False when the API could not be reached (kept for the next flush)."""
         while self.pending:
-            batch = self.pending[:METRICS_BATCH_ROWS]
+            batch = self.pending[:self.batch_rows]
             try:
                 self.api.post_metrics(self.run_id, batch)
             except (httpx.TransportError, ApiClientError) as exc:
+                if isinstance(exc, ApiClientError) and exc.status == 413 and len(batch) > 1:
+                    # The API's limit is in values per request (metrics_batch_max_values); rows with many
+                    # keys reach it in fewer rows. Smaller batches, not dropped metrics.
+                    self.batch_rows = max(1, len(batch) // 2)
+                    continue
                 if isinstance(exc, ApiClientError) and exc.status < 500:
                     log.error("metrics batch refused, dropped: %s", exc)  # retrying cannot make it valid
                 else:

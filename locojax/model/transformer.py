@@ -28,6 +28,9 @@ Cache = list[LayerCache]
 
 _MASKED = -1e30  # finite so a fully masked row (a pad query) gives a uniform softmax, not NaN
 
+# Temporary A/B switches (profiling only).
+_OPT = dict(rope_barrier=True, fuse_qkv=True, fuse_mlp=True, swiglu_vjp=True)
+
 
 def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
@@ -71,6 +74,43 @@ def _project(x2: jax.Array, weight: jax.Array, dt) -> jax.Array:
     return x2 @ weight.astype(dt).reshape(weight.shape[0], -1)
 
 
+def _project_fused(x2: jax.Array, weights: list[jax.Array], dt) -> list[jax.Array]:
+    """Several projections of the same [N, D] rows as ONE matmul against the weights concatenated
+    along the output axis, split afterwards. Each output element is the same dot product as with
+    separate matmuls; on XLA:CPU one wide matmul (and, in the backward, one input-gradient matmul
+    instead of several plus adds) is faster. Used where rows are many (training, reference pass)."""
+    flat = [w.astype(dt).reshape(w.shape[0], -1) for w in weights]
+    out = x2 @ jnp.concatenate(flat, axis=1)
+    pieces, start = [], 0
+    for w in flat:
+        pieces.append(out[:, start:start + w.shape[1]])
+        start += w.shape[1]
+    return pieces
+
+
+@jax.custom_vjp
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up, whose backward keeps only gate and up and recomputes the sigmoid in one fused
+    pass (autodiff of silu saved the sigmoid and silu too: three more [N, F] arrays to write and read)."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return _swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(residuals, grad):
+    gate, up = residuals
+    g32, u32, d32 = gate.astype(jnp.float32), up.astype(jnp.float32), grad.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    d_gate = d32 * u32 * sig * (1.0 + g32 * (1.0 - sig))  # d silu(x)/dx = s + x s (1 - s)
+    d_up = d32 * g32 * sig
+    return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
@@ -87,17 +127,40 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps, pd, "head_dim")
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps, pd, "head_dim")
 
-    def __call__(self, x, sin, cos, mask, layer_cache: LayerCache | None, cache_index):
+    def __call__(self, x, sin, cos, mask, layer_cache: LayerCache | None, cache_index,
+                 query_slots: tuple[int, int] | None = None):
+        """`query_slots` (start, stop), no cache only: keys and values of all T slots, but queries (and
+        so the output, [B, stop-start, D]) only for slots start..stop-1; `mask` is still [B, T, T]."""
         c = self.config
         dt = _dtype(c.dtype)
         b, t = x.shape[:2]
         x2 = x.astype(dt).reshape(b * t, c.d_model)
-        q = _project(x2, self.q_proj[...], dt).reshape(b, t, c.n_heads, c.head_dim)  # [B, T, H, Dh]
-        k = _project(x2, self.k_proj[...], dt).reshape(b, t, c.n_kv_heads, c.head_dim)  # [B, T, K, Dh]
-        v = _project(x2, self.v_proj[...], dt).reshape(b, t, c.n_kv_heads, c.head_dim)
+        if layer_cache is None and _OPT["fuse_qkv"]:
+            if query_slots is None:
+                q, k, v = _project_fused(x2, [self.q_proj[...], self.k_proj[...], self.v_proj[...]], dt)
+            else:
+                k, v = _project_fused(x2, [self.k_proj[...], self.v_proj[...]], dt)
+        else:
+            k = _project(x2, self.k_proj[...], dt)
+            v = _project(x2, self.v_proj[...], dt)
+            if query_slots is None:
+                q = _project(x2, self.q_proj[...], dt)
+        if query_slots is not None:
+            if layer_cache is not None:
+                raise ValueError("query_slots is for a full forward without a KV cache")
+            start, stop = query_slots
+            xq = x[:, start:stop].astype(dt)
+            q = _project(xq.reshape(-1, c.d_model), self.q_proj[...], dt)
+            sin_q, cos_q, mask = sin[:, start:stop], cos[:, start:stop], mask[:, start:stop]
+        else:
+            sin_q, cos_q = sin, cos
+        tq = q.shape[0] // b
+        q = q.reshape(b, tq, c.n_heads, c.head_dim)  # [B, Tq, H, Dh]
+        k = k.reshape(b, t, c.n_kv_heads, c.head_dim)  # [B, T, K, Dh]
+        v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+        q, k = apply_rope(q, sin_q, cos_q), apply_rope(k, sin, cos)
 
         # Keys and values live head-major, [B, K, S, Dh], so the two attention matmuls read the
         # cache in place; slot-major [B, S, K, Dh] made XLA:CPU transpose the whole cache twice per
@@ -109,13 +172,13 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, cache_index, 0))
             layer_cache = (k, v)
 
-        q = q.reshape(b, t, c.n_kv_heads, c.q_per_kv, c.head_dim)  # [B, T, K, G, Dh]
+        q = q.reshape(b, tq, c.n_kv_heads, c.q_per_kv, c.head_dim)  # [B, Tq, K, G, Dh]
         scores = jnp.einsum("btkgh,bksh->bkgts", q, k.astype(dt)).astype(jnp.float32) * (c.head_dim**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b * t, c.n_heads * c.head_dim)
+        out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b * tq, c.n_heads * c.head_dim)
         o_proj = self.o_proj[...].astype(dt).reshape(c.n_heads * c.head_dim, c.d_model)
-        return (out @ o_proj).reshape(b, t, c.d_model), layer_cache
+        return (out @ o_proj).reshape(b, tq, c.d_model), layer_cache
 
 
 class MLP(nnx.Module):
@@ -128,13 +191,17 @@ class MLP(nnx.Module):
         self.up_proj = _param(rngs, (c.d_model, c.d_ff), ("embed", "mlp"), c.d_model, c.param_dtype)
         self.down_proj = _param(rngs, (c.d_ff, c.d_model), ("mlp", "embed"), c.d_ff, c.param_dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, fuse: bool = False):
         dt = _dtype(self.dtype)
         b, t, d = x.shape
         x2 = x.astype(dt).reshape(b * t, d)
-        gate = x2 @ self.gate_proj[...].astype(dt)
-        up = x2 @ self.up_proj[...].astype(dt)
-        return ((jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)).reshape(b, t, d)
+        if fuse and _OPT["fuse_mlp"]:
+            gate, up = _project_fused(x2, [self.gate_proj[...], self.up_proj[...]], dt)
+        else:
+            gate = x2 @ self.gate_proj[...].astype(dt)
+            up = x2 @ self.up_proj[...].astype(dt)
+        hidden = _swiglu(gate, up) if _OPT["swiglu_vjp"] else jax.nn.silu(gate) * up
+        return (hidden @ self.down_proj[...].astype(dt)).reshape(b, t, d)
 
 
 class DecoderLayer(nnx.Module):
@@ -144,10 +211,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, sin, cos, mask, layer_cache, cache_index):
-        attended, layer_cache = self.attention(self.input_norm(x), sin, cos, mask, layer_cache, cache_index)
+    def __call__(self, x, sin, cos, mask, layer_cache, cache_index, query_slots: tuple[int, int] | None = None):
+        """`query_slots` (start, stop): the output is only slots start..stop-1 (see Attention)."""
+        attended, layer_cache = self.attention(self.input_norm(x), sin, cos, mask, layer_cache, cache_index,
+                                               query_slots)
+        if query_slots is not None:
+            x = x[:, query_slots[0]:query_slots[1]]
         x = x + attended.astype(x.dtype)
-        x = x + self.mlp(self.post_attention_norm(x)).astype(x.dtype)
+        x = x + self.mlp(self.post_attention_norm(x), fuse=layer_cache is None).astype(x.dtype)
         return x, layer_cache
 
 
@@ -171,19 +242,35 @@ class Transformer(nnx.Module):
         kv_mask: jax.Array,  # [B, S] bool: slots holding real tokens (S = T without a cache)
         cache: Cache | None = None,
         cache_index: jax.Array | int = 0,  # slot of tokens[:, 0] in the cache
+        output_slots: tuple[int, int] | None = None,
     ) -> tuple[jax.Array, Cache | None]:
+        """Logits [B, T, V]; with `output_slots` (start, stop) — static ints, no cache — only those of
+        slots start..stop-1, [B, stop-start, V]. Every layer but the last still runs on all T slots
+        (later slots attend to them); the last computes queries, MLP, norm and head for the output
+        slots alone. Same values as slicing the full logits, less work (training scores only the
+        completion's slots)."""
         c = self.config
         t = tokens.shape[1]
         s = kv_mask.shape[1]
+        if output_slots is not None:
+            start, stop = output_slots
+            if cache is not None or not 0 <= start < stop <= t:
+                raise ValueError(f"output_slots {output_slots} needs a full forward (no cache) over {t} slots")
         query_slots = cache_index + jnp.arange(t)
         causal = jnp.arange(s)[None, :] <= query_slots[:, None]  # [T, S]
         mask = kv_mask[:, None, :] & causal[None, :, :]  # [B, T, S]
         sin, cos = rope_angles(positions, c.head_dim, c.rope_theta)
+        if _OPT["rope_barrier"]:
+            # Materialise the angles once: left alone, XLA:CPU fuses sin/cos into every rotary
+            # application (q and k, every layer, forward and backward) and recomputes them there.
+            sin, cos = jax.lax.optimization_barrier((sin, cos))
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(c.dtype))  # [B, T, D]
         new_cache: Cache | None = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, sin, cos, mask, None if cache is None else cache[i], cache_index)
+            last = i == len(self.layers) - 1
+            x, layer_cache = layer(x, sin, cos, mask, None if cache is None else cache[i], cache_index,
+                                   output_slots if last else None)
             if new_cache is not None:
                 new_cache.append(layer_cache)
         x = self.final_norm(x)
@@ -209,8 +296,9 @@ def create_model(config: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(config, rngs=nnx.Rngs(params=seed))
 
 
-def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens, positions, kv_mask, cache=None, cache_index=0):
+def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens, positions, kv_mask, cache=None, cache_index=0,
+            output_slots: tuple[int, int] | None = None):
     """Pure functional forward over split NNX state, for use inside `jax.jit` (cheap per call,
-    unlike `nnx.jit`; PITFALLS.md)."""
+    unlike `nnx.jit`; PITFALLS.md). `output_slots`: see `Transformer.__call__`."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, kv_mask, cache, cache_index)
+    return model(tokens, positions, kv_mask, cache, cache_index, output_slots)

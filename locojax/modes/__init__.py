@@ -1,6 +1,7 @@
 """The three coordination modes over the same kernels: `co`, `da`, `sc` (DESIGN §2).
 
-`run_mode(spec, ...)` picks the mode named by `spec.placement.mode` from the `MODES` registry.
+`run_mode(spec, ...)` picks the mode named by `spec.placement.mode` from the `MODES` registry, or,
+for a spec of `kind: sft`, the single-host SFT loop (locojax.sft), which takes the same keywords.
 """
 
 from __future__ import annotations
@@ -17,5 +18,6 @@ MODES.register("da")("locojax.modes.da:run_da")
 
 
 def run_mode(spec, **kwargs):
-    module_name, function = MODES.get(spec.placement.mode).split(":")
+    target = "locojax.sft:run_sft" if spec.kind == "sft" else MODES.get(spec.placement.mode)
+    module_name, function = target.split(":")
     return getattr(importlib.import_module(module_name), function)(spec, **kwargs)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from locojax import metrics as m
@@ -125,9 +124,9 @@ def run_co(
     rows_per_host = prompts_per_host * spec.rollout.group_size
     runner = RolloutRunner(spec, trainer.policy, prompts_per_host, jax.local_devices())
     use_kl = spec.algo.kl_coef > 0
-    if use_kl:  # the frozen reference is the starting policy, kept host-locally
-        reference_params = jax.tree.map(jnp.copy, to_local(trainer.state.params, runner.replicated))
-        reference_logprobs = jax.jit(make_logprobs_fn(trainer.policy.graphdef, train_temperature(spec)))
+    if use_kl:  # the frozen reference is the starting policy (not a restored one), kept host-locally
+        reference_params = to_local(trainer.reference_params, runner.replicated)
+        reference_logprobs = make_logprobs_fn(trainer.policy.graphdef, train_temperature(spec))
 
     logger = make_logger(spec, out, host, trainer.start_step, console, extra_sinks)
     timer = m.PhaseTimer()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -34,7 +35,14 @@ from locojax.tokenizer import Tokenizer, load_tokenizer
 from locojax.checkpoint import Checkpointer
 from locojax.model.sharding import batch_sharding, make_mesh, shard_state
 from locojax.tasks import make_task
-from locojax.train import TrainState, init_train_state, make_optimizer, make_train_step, split_params
+from locojax.train import (
+    TrainState,
+    init_train_state,
+    make_optimizer,
+    make_sft_step,
+    make_train_step,
+    split_params,
+)
 
 
 @dataclasses.dataclass
@@ -47,7 +55,7 @@ class Policy:
 
 def load_policy(spec: RunSpec) -> Policy:
     """The starting policy: a preset initialised from the run's seed, or a local HF checkpoint
-    directory (what `locojax sft` writes). Every host builds bit-identical params."""
+    directory (e.g. `<output_dir>/model` of an SFT run). Every host builds bit-identical params."""
     tokenizer = load_tokenizer(spec.model.tokenizer)
     if spec.model.checkpoint:
         from locojax.model.hf import load_hf_checkpoint
@@ -55,7 +63,7 @@ def load_policy(spec: RunSpec) -> Policy:
         path = Path(spec.model.checkpoint)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.checkpoint: {path} holds no config.json (expected a HF directory, "
-                                    "e.g. the output of `locojax sft`)")
+                                    "e.g. <output_dir>/model of a finished SFT run)")
         model = load_hf_checkpoint(path, dtype=spec.model.dtype)
     else:
         config = get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
@@ -177,6 +185,9 @@ class Trainer:
     train_step: Callable
     checkpoints: Checkpointer
     start_step: int
+    # The frozen KL reference (kl_coef > 0 only): the run's *starting* policy, copied before any
+    # restore, so a resumed run penalises against the same policy as a straight one.
+    reference_params: nnx.State | None = None
 
     def global_batch(self, host_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> the global batch sharded over the mesh's data axis."""
@@ -189,12 +200,16 @@ class Trainer:
 
 def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir: Path, resume: bool) -> Trainer:
     """Policy, task, optimizer and a TrainState replicated over a data-parallel mesh of `devices`;
-    restored from the latest checkpoint when `resume` and one exists."""
+    restored from the latest checkpoint when `resume` and one exists. The step function is the GRPO
+    step, or the SFT step (one update per step) for `kind: sft`."""
     policy = load_policy(spec)
     mesh = make_mesh(devices)
-    optimizer = make_optimizer(spec.optim, spec.steps, spec.algo.num_iterations)
+    sft = spec.kind == "sft"
+    optimizer = make_optimizer(spec.optim, spec.steps, 1 if sft else spec.algo.num_iterations)
     state = init_train_state(shard_state(policy.params, mesh), optimizer, seed=spec.seed)
     state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+    # A copy: the train step donates the state's buffers.
+    reference_params = jax.tree.map(jnp.copy, state.params) if not sft and spec.algo.kl_coef > 0 else None
     checkpoints = Checkpointer(spec.checkpoint.dir or checkpoint_dir, every=spec.checkpoint.every,
                                keep=spec.checkpoint.keep)
     start_step = 0
@@ -203,8 +218,11 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
         if restored is not None:
             state = restored[0]
             start_step = int(jax.device_get(state.step))
-    train_step = make_train_step(policy.graphdef, optimizer, spec.algo, temperature=train_temperature(spec))
-    return Trainer(policy, make_task(spec.task), mesh, state, train_step, checkpoints, start_step)
+    if sft:
+        train_step = make_sft_step(policy.graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size)
+    else:
+        train_step = make_train_step(policy.graphdef, optimizer, spec.algo, temperature=train_temperature(spec))
+    return Trainer(policy, make_task(spec.task), mesh, state, train_step, checkpoints, start_step, reference_params)
 
 
 def train_temperature(spec: RunSpec) -> float:

@@ -36,9 +36,11 @@ from locojax.modes.common import (
     prompts_for,
     score_and_normalise,
     to_local,
+    train_temperature,
 )
 from locojax.rollout import RolloutResult, rollout_key
 from locojax.spec import RunSpec
+from locojax.train import make_logprobs_fn
 
 
 def host_device_groups(hosts: int, devices_per_host: int) -> list[list[jax.Device]]:
@@ -65,8 +67,13 @@ def run_sc(
     prompts_per_host = spec.rollout.prompts_per_step // hosts
     rows_per_host = prompts_per_host * spec.rollout.group_size
     runners = [RolloutRunner(spec, trainer.policy, prompts_per_host, group) for group in groups]
-    if spec.algo.kl_coef > 0:
-        raise NotImplementedError("SC mode does not implement the KL reference yet; use kl_coef 0")
+    use_kl = spec.algo.kl_coef > 0
+    if use_kl:
+        # The frozen reference is the starting policy, as in CO, and the same jitted log-prob kernel.
+        # The controller holds it replicated on the global mesh and scores the whole re-sharded batch
+        # with one dispatch (CO scores each host's rows on that host instead).
+        reference_params = trainer.reference_params
+        reference_logprobs = make_logprobs_fn(trainer.policy.graphdef, train_temperature(spec))
 
     logger = make_logger(spec, out, 0, trainer.start_step, console, extra_sinks)
     timer = m.PhaseTimer()
@@ -103,7 +110,11 @@ def run_sc(
                                     advantages)
                 rows = piece.batch()
                 with timer.device(m.TIME_TRAIN) as span:
-                    trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch(rows))
+                    batch = trainer.global_batch(rows)
+                    if use_kl:
+                        batch["ref_logprobs"] = reference_logprobs(
+                            reference_params, batch["tokens"], batch["prompt_mask"], batch["completion_mask"])
+                    trainer.state, train_metrics = trainer.train_step(trainer.state, batch)
                     span.ready(trainer.state)
                 with timer.phase(m.TIME_CHECKPOINT):
                     trainer.checkpoint(spec, force=step + 1 == spec.steps)

@@ -30,6 +30,7 @@ from locojax.placement.cost_model import (
     StepEstimate,
     constant_values,
     estimate_step,
+    host_time_scale,
 )
 from locojax.placement.hardware import HardwareProfile
 from locojax.placement.workloads import WORKLOADS, WorkloadProfile
@@ -130,6 +131,8 @@ def summarize(records: Sequence[Mapping[str, Any]], skip_steps: int = DEFAULT_SK
 def workload_for_spec(spec: RunSpec, completion_len_mean: float | None = None) -> WorkloadProfile:
     """The workload a RunSpec runs: its task's profile (reward cost) with the spec's batch and lengths."""
     base = WORKLOADS.get(spec.task.name) if spec.task.name in WORKLOADS else WORKLOADS.get("arith")
+    if spec.task.reward and len(spec.task.reward) > 1:  # each reward function parses every completion
+        base = base.replace(reward_s_per_sample=base.reward_s_per_sample * len(spec.task.reward))
     gen_len = spec.rollout.max_new_tokens
     mean = round(completion_len_mean) if completion_len_mean else min(base.gen_len_mean, gen_len)
     return base.replace(prompts_per_step=spec.rollout.prompts_per_step, group_size=spec.rollout.group_size,
@@ -152,8 +155,13 @@ class Observation:
     placement: Placement
     measured: StepMeasurement
     label: str = ""
+    # How much slower than at profile time the devices ran during this run (a shared machine under
+    # other load, measured by re-timing the probe's reference kernels around the run); 1 if unknown.
+    device_time_scale: float = 1.0
 
     def predict(self, hardware: HardwareProfile) -> StepEstimate:
+        if self.device_time_scale != 1.0:
+            hardware = hardware.replace(device_time_scale=hardware.device_time_scale * self.device_time_scale)
         return estimate_step(self.model, hardware, self.workload, self.placement)
 
 
@@ -231,7 +239,8 @@ def _fit_group(hardware: HardwareProfile, observations: Sequence[Observation], n
         if math.isnan(measured) or measured <= 0:
             continue
         counts = getattr(obs.predict(hardware).critical_path, "host" if measured_field == "host_s" else "network")
-        rows.append([counts.get(name, 0.0) for name in names])
+        scale = host_time_scale(hardware.replace(device_time_scale=hardware.device_time_scale * obs.device_time_scale))
+        rows.append([scale * counts.get(name, 0.0) for name in names])
         targets.append(measured)
     if not rows:
         return {}

@@ -110,14 +110,23 @@ def probe_command(
     quick: Annotated[bool, typer.Option(help="smaller, faster measurements")] = False,
     all_reduce: Annotated[bool, typer.Option(help="measure a 2-process all-reduce")] = True,
 ) -> None:
-    """Measure this machine (matmul, memory, dispatch, all-reduce, reward) and write the local-cpu profile."""
+    """Measure this machine (matmul, memory, dispatch, the engine's kernels, all-reduce, reward) and
+    write the local-cpu profile."""
     from locojax.placement.hardware import default_local_cpu_path
     from locojax.placement.probe import run_probe, write_probe
 
     result = run_probe(quick=quick, all_reduce=all_reduce)
     path = write_probe(result, out or default_local_cpu_path())
     for key, value in result["measurements"].items():
-        typer.echo(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
+        if isinstance(value, list):  # kernel timings: one line each
+            for kernel in value:
+                typer.echo(f"{key:>22}: {kernel['preset']} {kernel['kind']} {tuple(kernel['shape'])}: "
+                           f"{kernel['s'] * 1e3:.1f} ms (wall {kernel['wall_s'] * 1e3:.1f} ms)")
+        else:
+            typer.echo(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
+    for layout in ("measured_rates", "controller_rates"):
+        for width, rates in result["profile"][layout].items():
+            typer.echo(f"{layout:>22}: d_model {width}: " + ", ".join(f"{k} {v:.4g}" for k, v in rates.items()))
     typer.echo(f"wrote {path}")
 
 

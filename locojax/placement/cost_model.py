@@ -26,7 +26,17 @@ Modelling choices, each a plain physical statement:
   * DA: rollout of step t+1 overlaps training on step t (staleness 1), so a step is the longer of the
     two branches (the rollout hosts' CPUs score while their chips decode the next batch) plus the
     exposed weight push (PCIe out, a pipelined DCN broadcast, PCIe in + ICI all-gather: the slowest
-    link sets the time) and the driver's calls.
+    link sets the time; three driver round trips) and the driver's other calls.
+  * CPU devices (the `local-cpu` profile; every term below is neutral on accelerator profiles): the
+    engine's small models run far below a CPU's matmul peak and not at one rate, so the profile
+    carries rates measured on the engine's own kernels (`locojax probe`), per model width: the
+    matmul rate (`train_mfu`, `decode_mfu` of the peak), attention at its own, lower rate (masked
+    softmax over dense static-shape caches: `*_attention_efficiency`), per-sequence decode work that
+    is no matmul (sampling over the vocabulary: `decode_row_overhead_s`) and fixed per-step costs.
+    Those rates include their memory traffic, so decode is compute-bound, not roofline-bound. Chips
+    share the machine's cores; SC's controller, one process driving every device, has its own
+    measured rates (`controller_rates`); a host's CPU is its chip, so DA's rollout hosts score after
+    decoding rather than during it; `device_time_scale` is how much other work on the machine slows it.
 
 The constants marked "assumption" in `hardware.py` and `workloads.py` (decode granularity, native
 dispatch, the narrow-model MFU scaling, workload batch sizes) were chosen within plausible ranges
@@ -61,8 +71,13 @@ TRAIN_DISPATCHES = 3
 PREFILL_DISPATCHES = 1
 # Bytes per token moved when rollouts travel between hosts: token id, log-prob, mask, advantage.
 ROLLOUT_BYTES_PER_TOKEN = 16
-# DA driver calls per step: start a rollout, hand its batch to training, push new weights.
-DA_CALLS_PER_STEP = 3
+# DA driver calls per step besides the weight push: start a rollout, hand its batch to training.
+DA_CALLS_PER_STEP = 2
+# The weight push (locojax.modes.da): fetch the weights and their version from the train group, then
+# load them on every rollout host (in parallel): three round trips one after another.
+WEIGHT_SYNC_CALLS = 3
+# CO hosts all-gather their step metrics (a few hundred bytes) twice per step (locojax.modes.co).
+METRICS_GATHERS_PER_STEP = 2
 
 HOST_CONSTANTS = ("dispatch_s", "controller_round_trip_s", "controller_round_trip_per_host_s",
                   "reward_cpu_scale", "ray_call_s")
@@ -123,8 +138,9 @@ class Terms:
     def seconds(self, hardware: HardwareProfile) -> tuple[float, float, float]:
         """(device, host, network) seconds under `hardware`'s constants."""
         constants = constant_values(hardware)
-        host = sum(count * constants[name] for name, count in self.host.items())
-        network = sum(count * constants[name] for name, count in self.network.items())
+        scale = host_time_scale(hardware)
+        host = scale * sum(count * constants[name] for name, count in self.host.items())
+        network = scale * sum(count * constants[name] for name, count in self.network.items())
         return self.device_s, host, network
 
     def total(self, hardware: HardwareProfile) -> float:
@@ -136,6 +152,12 @@ def _merge(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
     for name, count in b.items():
         merged[name] = merged.get(name, 0.0) + count
     return merged
+
+
+def host_time_scale(hardware: HardwareProfile) -> float:
+    """On a shared machine the hosts' CPUs and the loopback "network" are the same cores as the
+    devices, so other work slows host and network time as much as device time."""
+    return hardware.device_time_scale if hardware.shared_machine else 1.0
 
 
 def constant_values(hardware: HardwareProfile) -> dict[str, float]:
@@ -234,12 +256,50 @@ def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     batch = math.ceil(per_replica / waves)
     flops, bandwidth = chip_rates(hardware, busy_chips)
     context = decode_context(hardware, workload)
-    step_flops = 2 * model.params * batch + 4 * model.n_layers * model.attention_width * batch * context
+    param_flops, attention_flops = decode_step_flops(model, batch, context)
     step_bytes = weight_bytes + batch * model.kv_values_per_token * bytes_per_value * context
-    compute_s = step_flops / (tensor_parallel * flops)
+    compute_s = (param_flops + attention_flops / hardware.decode_attention_efficiency) / (
+        tensor_parallel * flops * hardware.decode_mfu)
     memory_s = step_bytes / (tensor_parallel * bandwidth)
-    step_s = max(compute_s, memory_s) + hardware.decode_step_overhead_s
-    return RolloutShape(tensor_parallel, replicas, batch, waves, step_s, memory_s >= compute_s)
+    # Rates measured on the engine's own kernels already include their memory traffic.
+    memory_bound = memory_s >= compute_s and not hardware.rates_include_memory
+    step_s = ((memory_s if memory_bound else compute_s) + batch * hardware.decode_row_overhead_s
+              + hardware.decode_step_overhead_s)
+    return RolloutShape(tensor_parallel, replicas, batch, waves, step_s, memory_bound)
+
+
+# FLOP counts, shared with `locojax probe`, which fits the CPU rates against the same counts.
+
+
+def decode_step_flops(model: ModelSize, batch: float, context: float) -> tuple[float, float]:
+    """(parameter matmul, attention) FLOPs of one decode step of `batch` sequences over `context` cached tokens."""
+    return 2 * model.params * batch, 4 * model.n_layers * model.attention_width * batch * context
+
+
+def prefill_flops(model: ModelSize, batch: float, prompt_len: float, context: float) -> tuple[float, float]:
+    """(parameter matmul, attention) FLOPs of prefilling `batch` prompts; each prompt token attends to
+    `context` tokens on average (prompt_len / 2 causally, every cache slot under dense static shapes)."""
+    tokens = batch * prompt_len
+    return 2 * model.params * tokens, 4 * model.n_layers * model.attention_width * tokens * context
+
+
+def prefill_context(hardware: HardwareProfile, workload: WorkloadProfile) -> float:
+    if hardware.decode_attention == "dense":
+        return decode_context(hardware, workload)
+    return workload.prompt_len / 2
+
+
+def train_flops(model: ModelSize, hardware: HardwareProfile, sequences: float, seq_len: float) -> tuple[float, float]:
+    """(parameter matmul, attention) FLOPs of a training step on `sequences` padded sequences.
+
+    Causal attention (fused kernels that skip the masked half) reads seq_len / 2 keys per query on
+    average; dense static-shape attention (the local engine) computes all seq_len and masks.
+    """
+    tokens = sequences * seq_len
+    mean_context = seq_len if hardware.decode_attention == "dense" else seq_len / 2
+    passes = hardware.train_flops_per_param_token / FLOPS_PER_PARAM_TOKEN_PER_PASS
+    return (tokens * hardware.train_flops_per_param_token * model.params,
+            tokens * passes * 4 * model.n_layers * model.attention_width * mean_context)
 
 
 def decode_context(hardware: HardwareProfile, workload: WorkloadProfile) -> float:
@@ -268,11 +328,15 @@ def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     flops, bandwidth = chip_rates(hardware, busy_chips)
     weight_bytes = model.params * hardware.bytes_per_value
     tp = shape.tensor_parallel
-    prefill_flops = (2 * model.params * shape.batch_per_replica * workload.prompt_len
-                     + 2 * model.n_layers * model.attention_width * shape.batch_per_replica * workload.prompt_len ** 2)
-    prefill_s = (max(prefill_flops / (tp * flops * effective_mfu(model, hardware)), weight_bytes / (tp * bandwidth))
-                 + hardware.decode_step_overhead_s)
-    device_s = shape.waves * (prefill_s + workload.gen_len * shape.decode_step_s)
+    batch = shape.batch_per_replica
+    param_flops, attention_flops = prefill_flops(model, batch, workload.prompt_len, prefill_context(hardware, workload))
+    prefill_mfu = effective_mfu(model, hardware) if hardware.prefill_mfu is None else hardware.prefill_mfu
+    prefill_compute_s = (param_flops + attention_flops / hardware.train_attention_efficiency) / (tp * flops * prefill_mfu)
+    if not hardware.rates_include_memory:
+        prefill_compute_s = max(prefill_compute_s, weight_bytes / (tp * bandwidth))
+    # Prefill also samples the first token; decode then runs gen_len - 1 steps for the rest.
+    prefill_s = prefill_compute_s + batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s
+    device_s = hardware.device_time_scale * shape.waves * (prefill_s + (workload.gen_len - 1) * shape.decode_step_s)
 
     tokens_per_dispatch = hardware.decode_tokens_per_dispatch or workload.gen_len
     dispatches = shape.waves * (PREFILL_DISPATCHES + math.ceil(workload.gen_len / tokens_per_dispatch))
@@ -293,13 +357,10 @@ def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadP
     if train_state_bytes_per_chip(model, chips) > hardware.hbm_bytes * HBM_USABLE_FRACTION:
         raise InfeasiblePlacement(f"{model.name}: training state does not fit {chips} chip(s)")
     flops, _ = chip_rates(hardware, busy_chips)
-    tokens = workload.samples * workload.seq_len
-    mean_context = workload.seq_len / 2  # causal attention
-    passes = hardware.train_flops_per_param_token / FLOPS_PER_PARAM_TOKEN_PER_PASS
-    flops_per_token = (hardware.train_flops_per_param_token * model.params
-                       + passes * 4 * model.n_layers * model.attention_width * mean_context)
-    device_s = (tokens * flops_per_token / (chips * flops * effective_mfu(model, hardware))
-                + hardware.train_step_overhead_s)
+    param_flops, attention_flops = train_flops(model, hardware, workload.samples, workload.seq_len)
+    device_s = hardware.device_time_scale * (
+        (param_flops + attention_flops / hardware.train_attention_efficiency)
+        / (chips * flops * effective_mfu(model, hardware)) + hardware.train_step_overhead_s)
     return Terms(device_s, _dispatch_host_terms(mode, TRAIN_DISPATCHES, hosts))
 
 
@@ -343,6 +404,11 @@ def host_local_reward_terms(hardware: HardwareProfile, workload: WorkloadProfile
     window_s = rollout_device_s * (1 - workload.gen_len_mean / workload.gen_len)
     exposed_fraction = max(1 - window_s / full_s, 1 / samples_on_one_host)
     return reward_terms(workload, samples_on_one_host * exposed_fraction)
+
+
+def metrics_gather_terms(hosts: int) -> Terms:
+    """CO: the per-step metric all-gathers between hosts; tiny payloads, so latency only (a ring of hosts)."""
+    return Terms(network={"dcn_latency_s": METRICS_GATHERS_PER_STEP * (hosts - 1)})
 
 
 def controller_gather_terms(workload: WorkloadProfile, hosts: int) -> Terms:
@@ -404,6 +470,8 @@ def estimate_step(model: ModelSize | ModelConfig, hardware: HardwareProfile, wor
     """Predicted step time of `placement`; raises `InfeasiblePlacement` if the model does not fit."""
     if isinstance(model, ModelConfig):
         model = ModelSize.from_config(model)
+    # Measured per-width rates; on a shared machine SC's one controller process drives every device.
+    hardware = hardware.rates_for(model.d_model, controller=placement.mode == "sc" and hardware.shared_machine)
     if placement.mode == "da":
         return _estimate_da(model, hardware, workload, placement)
     return _estimate_colocated(model, hardware, workload, placement)
@@ -428,6 +496,8 @@ def _estimate_colocated(model: ModelSize, hardware: HardwareProfile, workload: W
     }
     if mode == "sc":
         phases["controller_gather"] = controller_gather_terms(workload, hosts)
+    elif hosts > 1:
+        phases["metrics_gather"] = metrics_gather_terms(hosts)
     critical = sum(phases.values(), Terms())
     breakdown = {name: terms.total(hardware) for name, terms in phases.items()}
     return _finish(placement, hardware, critical, breakdown, shape, breakdown["rollout"])
@@ -448,11 +518,15 @@ def _estimate_da(model: ModelSize, hardware: HardwareProfile, workload: Workload
     handoff_bytes = workload.samples * workload.seq_len * ROLLOUT_BYTES_PER_TOKEN / train_hosts
     handoff = Terms(network={"dcn_s_per_byte": handoff_bytes, "dcn_latency_s": 1})
     # The rollout hosts' CPUs score step t while their chips decode step t+1, so only the part of the
-    # scoring longer than the decode stays on the rollout branch.
+    # scoring longer than the decode stays on the rollout branch. On a shared machine the "chip" is
+    # the host's own cores, so scoring follows the decode instead.
     rollout_s, reward_s = rollout.total(hardware), reward.total(hardware)
-    rollout_branch = reward if reward_s > rollout_s else rollout
+    if hardware.shared_machine:
+        rollout_branch = rollout + reward
+    else:
+        rollout_branch = reward if reward_s > rollout_s else rollout
     train_branch = handoff + train + allreduce
-    weight_sync = weight_sync_terms(model, hardware, train_chips)
+    weight_sync = weight_sync_terms(model, hardware, train_chips) + Terms(host={"ray_call_s": WEIGHT_SYNC_CALLS})
     coordination = Terms(host={"ray_call_s": DA_CALLS_PER_STEP})
 
     rollout_branch_s, train_branch_s = rollout_branch.total(hardware), train_branch.total(hardware)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -52,6 +53,11 @@ DCN_LATENCY_S = 20e-6
 # scaling-book (FACTS.md, "Other constants"): ICI hop latency ~1 us; PCIe ~15 GB/s per chip.
 ICI_HOP_LATENCY_S = 1e-6
 PCIE_BANDWIDTH = 15 * GB
+
+
+# The fields a per-width entry of `HardwareProfile.measured_rates` / `controller_rates` may set.
+RATE_FIELDS = ("peak_flops", "train_mfu", "decode_mfu", "prefill_mfu", "train_attention_efficiency",
+               "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s", "train_step_overhead_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,23 +108,61 @@ class HardwareProfile:
     # cache slot under a mask, as locojax.rollout does).
     decode_attention: str = "ragged"
     shared_machine: bool = False
+    # --- CPU-style device terms (all neutral on accelerators, where the roofline above is the model) ---
+    # Decode's parameter matmuls run at `decode_mfu * peak_flops` (1: the roofline's compute bound).
+    decode_mfu: float = 1.0
+    # Prefill (a forward pass over the prompts) runs at `prefill_mfu * peak_flops`; None: the training
+    # MFU (as on accelerators, where both are large matmuls).
+    prefill_mfu: float | None = None
+    # Attention FLOPs (scores, softmax, weighted values over the cache) run at this fraction of the
+    # matmul rate of the same kernel: 1 on accelerators (fused attention kernels); far below 1 on a CPU
+    # at small head_dim, where the softmax and masking are memory-bound elementwise work.
+    train_attention_efficiency: float = 1.0  # training and prefill
+    decode_attention_efficiency: float = 1.0
+    # Device time per sequence per decode step that is not a matmul: sampling over the vocabulary
+    # (per-row RNG, softmax), the cache write, masks. 0 on accelerators (hidden under the weight read).
+    decode_row_overhead_s: float = 0.0
+    # True when the rates were measured on the engine's own kernels (`locojax probe`): memory traffic
+    # is already inside them, so decode is not additionally bounded by weights + KV over bandwidth.
+    rates_include_memory: bool = False
+    # Measured per-width rates: {str(d_model): {field: value}} for the rate fields above (and
+    # peak_flops, train_mfu, the step overheads). A model takes the entry of the nearest width (in
+    # log scale). `controller_rates` holds the same for one process driving every device of the
+    # machine (the SC layout); without it SC uses `measured_rates`.
+    measured_rates: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    controller_rates: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    # How much slower than its measured rates the machine runs now: other work competing for its cores
+    # (`locojax.placement.probe.contention`). Device times are multiplied by it, and on a shared machine
+    # host and loopback-network times too (the same cores). 1 for a machine of one's own.
+    device_time_scale: float = 1.0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         positive = ("peak_flops", "hbm_bytes", "hbm_bandwidth", "ici_bandwidth", "dcn_bandwidth_per_chip",
                     "pcie_bandwidth", "train_mfu", "ici_domain_chips", "chips_per_host", "bytes_per_value",
-                    "train_flops_per_param_token")
+                    "train_flops_per_param_token", "decode_mfu", "train_attention_efficiency",
+                    "decode_attention_efficiency", "device_time_scale")
         for field in positive:
             if not getattr(self, field) > 0:
                 raise ValueError(f"HardwareProfile.{field} must be positive, got {getattr(self, field)}")
         non_negative = ("ici_latency_s", "dcn_latency_s", "dispatch_s", "controller_round_trip_s",
                         "controller_round_trip_per_host_s", "reward_cpu_scale", "ray_call_s",
-                        "decode_step_overhead_s", "train_step_overhead_s")
+                        "decode_step_overhead_s", "train_step_overhead_s", "decode_row_overhead_s")
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")
-        if self.train_mfu > 1:
-            raise ValueError(f"HardwareProfile.train_mfu must be at most 1, got {self.train_mfu}")
+        if self.prefill_mfu is not None and not 0 < self.prefill_mfu <= 1:
+            raise ValueError(f"HardwareProfile.prefill_mfu must be in (0, 1], got {self.prefill_mfu}")
+        for field in ("train_mfu", "decode_mfu", "train_attention_efficiency", "decode_attention_efficiency"):
+            if getattr(self, field) > 1:
+                raise ValueError(f"HardwareProfile.{field} must be at most 1, got {getattr(self, field)}")
+        for table in ("measured_rates", "controller_rates"):
+            for width, rates in getattr(self, table).items():
+                if not str(width).isdigit():
+                    raise ValueError(f"HardwareProfile.{table}: keys are model widths (d_model), got {width!r}")
+                unknown = sorted(set(rates) - set(RATE_FIELDS))
+                if unknown:
+                    raise ValueError(f"HardwareProfile.{table}[{width}]: not rate fields: {', '.join(unknown)}")
         if self.decode_attention not in ("ragged", "dense"):
             raise ValueError(f"HardwareProfile.decode_attention must be 'ragged' or 'dense', got {self.decode_attention!r}")
         if self.decode_tokens_per_dispatch is not None and self.decode_tokens_per_dispatch < 1:
@@ -126,6 +170,17 @@ class HardwareProfile:
 
     def replace(self, **changes: Any) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)
+
+    def rates_for(self, d_model: int, controller: bool = False) -> "HardwareProfile":
+        """This profile with the measured rates of the nearest width applied (itself when none are).
+
+        `controller`: the layout where one process drives every device (SC on a shared machine).
+        """
+        table = (self.controller_rates or self.measured_rates) if controller else self.measured_rates
+        if not table:
+            return self
+        width = min(table, key=lambda key: abs(math.log(int(key) / d_model)))
+        return dataclasses.replace(self, **table[width])
 
     @property
     def dcn_bandwidth_per_host(self) -> float:

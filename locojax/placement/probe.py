@@ -1,9 +1,11 @@
 """`locojax probe`: measure this machine and write the `local-cpu` hardware profile.
 
-Measures what the cost model needs from the local CPU: float32 matmul FLOP/s (a large matmul, and the
-effective rate and fixed per-step time of the engine's own `tiny` and `small` models, which is what the
-profile uses), memory bandwidth, the latency of one jitted dispatch + sync, a cross-process all-reduce (two subprocesses joined by
-`jax.distributed` over loopback, the way local "hosts" talk), and the host cost of a GSM8K reward.
+Measures what the cost model needs from the local CPU: float32 matmul FLOP/s (a large matmul), the
+engine's own kernels (train step and rollout of the `tiny` and `small` presets, timed in the process
+layouts the modes use and fitted to the cost model's CPU terms per model width: that is what the
+profile's rates come from), memory bandwidth, the latency of one jitted dispatch + sync, a
+cross-process all-reduce (two subprocesses joined by `jax.distributed` over loopback, the way local
+"hosts" talk), and the host cost of a GSM8K reward.
 The result is a JSON file with a `profile` mapping (fields of `HardwareProfile`, read back by
 `hardware.load_local_cpu_profile`) and the raw `measurements`.
 
@@ -18,8 +20,10 @@ import os
 import platform
 import re
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -85,68 +89,410 @@ def measure_dispatch_latency(calls: int = 200) -> float:
     return _best_time(run, 3) / calls
 
 
-def measure_engine_rates(quick: bool = False) -> dict[str, float]:
-    """Effective FLOP/s and fixed per-step time of the engine's own model on this CPU.
+# ---------------------------------------------------------------------------------------------------
+# The engine's own kernels, timed where the modes run them
+#
+# A CPU runs the small models of this engine far below its large-matmul peak, and not at one rate:
+# attention (masked softmax over the cache at head_dim 16-64) is elementwise, memory-bound work, and
+# decode adds per-sequence work that is no matmul at all (sampling over the vocabulary). So the probe
+# times the real jitted train step and rollout (`locojax.train`, `locojax.rollout`) of the engine's
+# presets at a few shapes and fits, per model width, the cost model's CPU terms against the FLOP
+# counts the cost model itself uses (`cost_model.train_flops`, `prefill_flops`, `decode_step_flops`):
+#     train    = train_step_overhead + param_flops * a + attention_flops * b
+#     generate = prefill (param * p + attention * p * b / a) + (n - 1) decode steps (param * a + attention * d)
+#                + n * (batch * decode_row_overhead + decode_step_overhead)
+# (decode's matmuls at training's rate a: what decode does besides is its per-row and per-step work;
+# prefill, a forward pass, at its own rate p, attention relative to it as in training).
+# Two layouts, as the modes use the machine:
+#   pinned      one process per core, each pinned to its core, all running at once (CO hosts, DA
+#               actors); a kernel's time is the slowest process's, as a lockstep step sees it;
+#   controller  one process driving one device per core (SC's controller): rollouts dispatched to
+#               every device at once, training on a mesh of all of them.
+# Shapes are per device: (sequences, prompt tokens, new tokens).
 
-    Times a decode loop and a forward + backward pass of the `tiny` and `small` presets and fits
-    time = FLOPs / rate + fixed through the two: small models are dominated by the fixed part, which
-    a large-matmul peak does not show. FLOPs are counted the way the cost model counts them.
-    """
+PROBE_PRESETS = ("tiny", "small")
+KERNEL_SHAPES: dict[str, dict[str, list[tuple[int, int, int]]]] = {
+    "tiny": {"train": [(32, 32, 32), (8, 96, 160), (64, 48, 16), (16, 64, 64), (128, 96, 8)],
+             "generate": [(16, 32, 32), (4, 96, 160), (64, 32, 8), (32, 64, 64), (128, 96, 2)]},
+    "small": {"train": [(8, 32, 32), (2, 96, 160), (16, 48, 16), (4, 64, 64), (16, 96, 8)],
+              "generate": [(4, 32, 32), (2, 96, 160), (16, 32, 8), (8, 64, 64), (16, 96, 2)]},
+}
+KERNEL_REPEATS = 3
+WORKER_START_TIMEOUT_S = 600
+
+
+def kernel_list(presets: tuple[str, ...] = PROBE_PRESETS) -> list[dict[str, Any]]:
+    return [{"preset": preset, "kind": kind, "shape": list(shape)}
+            for preset in presets for kind in ("train", "generate") for shape in KERNEL_SHAPES[preset][kind]]
+
+
+def _build_kernels(kernels: list[dict[str, Any]], devices: int) -> list[Callable[[], Any]]:
+    """One zero-argument callable per kernel that runs it once and blocks until it is done."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    from locojax.model import PRESETS, create_model, forward, init_cache, param_count
+    from locojax.model.sharding import batch_sharding, make_mesh, shard_state
+    from locojax.modes.common import load_policy, sampling_config
+    from locojax.rollout import make_generate_fn
+    from locojax.spec import parse_spec
+    from locojax.train import init_train_state, make_optimizer, make_train_step
 
-    batch, prompt_len, new_tokens = (8, 8, 4) if quick else (32, 32, 16)
-    slots = prompt_len + new_tokens
-    decode_points, train_points = [], []
-    for preset in ("tiny", "small"):
-        config = PRESETS[preset]
-        graphdef, params = nnx.split(create_model(config))
-        kv_mask = jnp.ones((batch, slots), bool)
+    local = jax.local_devices()[:devices]
+    runs = []
+    for kernel in kernels:
+        batch, prompt_len, new_tokens = kernel["shape"]
+        spec = parse_spec({"name": "probe", "model": {"preset": kernel["preset"]}, "task": {"name": "arith"},
+                           "rollout": {"prompts_per_step": 1, "group_size": 2, "max_prompt_tokens": prompt_len,
+                                       "max_new_tokens": new_tokens, "temperature": 1.0},
+                           "steps": 2})
+        policy = load_policy(spec)
+        if kernel["kind"] == "generate":
+            sampling = sampling_config(spec, policy.tokenizer)
+            prompt = np.full((batch, prompt_len), 65, np.int32)  # never EOS: decode runs to the cap
+            mask = np.ones((batch, prompt_len), bool)
+            key = jax.random.PRNGKey(0)
+            calls = []
+            for offset, device in enumerate(local):
+                generate = make_generate_fn(policy.config, policy.graphdef, sampling, prompt_len, batch, (device,))
+                params = jax.device_put(policy.params, device)
+                calls.append((generate, params, offset * batch))
 
-        def decode(params, cache):
-            def one_step(i, carry):
-                cache, token = carry
-                logits, cache = forward(graphdef, params, token, jnp.full((batch, 1), i), kv_mask, cache, i)
-                return cache, jnp.argmax(logits[:, -1], axis=-1)[:, None].astype(jnp.int32)
+            def run(calls=calls, prompt=prompt, mask=mask, key=key):
+                jax.block_until_ready([g(p, prompt, mask, key, o) for g, p, o in calls])
+        else:
+            mesh = make_mesh(local)
+            optimizer = make_optimizer(spec.optim, spec.steps)
+            step = make_train_step(policy.graphdef, optimizer, spec.algo)
+            state = init_train_state(shard_state(policy.params, mesh), optimizer)
+            rows = batch * len(local)
+            host = {"tokens": np.full((rows, prompt_len + new_tokens), 65, np.int32),
+                    "prompt_mask": np.ones((rows, prompt_len), bool),
+                    "completion_mask": np.ones((rows, new_tokens), bool),
+                    "old_logprobs": np.zeros((rows, new_tokens), np.float32),
+                    "advantages": np.ones((rows,), np.float32)}
+            data = {k: jax.device_put(v, batch_sharding(mesh, v.ndim)) for k, v in host.items()}
+            holder = {"state": jax.device_put(state, NamedSharding(mesh, PartitionSpec()))}
 
-            return jax.lax.fori_loop(0, new_tokens, one_step, (cache, jnp.zeros((batch, 1), jnp.int32)))
+            def run(step=step, data=data, holder=holder):
+                holder["state"], _ = step(holder["state"], data)
+                jax.block_until_ready(holder["state"])
+        run()  # compile
+        runs.append(run)
+    del jnp
+    return runs
 
-        decode_jit = jax.jit(decode)
-        cache = init_cache(config, batch, slots)
-        jax.block_until_ready(decode_jit(params, cache))
-        decode_s = _best_time(lambda: jax.block_until_ready(decode_jit(params, cache)), 3) / new_tokens
 
-        tokens = jnp.zeros((batch, slots), jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(slots), (batch, slots))
+def kernel_worker(devices: int, kernels: list[dict[str, Any]], cache_dir: str | None = None) -> None:
+    """Serve kernel timings on stdin/stdout: `{"run": i}` -> `{"t": seconds}`; EOF or `{"quit": 1}` ends."""
+    import jax
 
-        def loss(params):
-            logits, _ = forward(graphdef, params, tokens, positions, kv_mask)
-            return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    if cache_dir:  # workers of one probe compile the same programs: the first fills the cache
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    runs = _build_kernels(kernels, devices)
+    print(json.dumps({"ready": len(runs)}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "run" not in command:
+            break
+        before = _thread_schedstats([os.getpid()])
+        start = time.perf_counter()
+        runs[command["run"]]()
+        elapsed = time.perf_counter() - start
+        totals = work_totals(before, _thread_schedstats([os.getpid()]), elapsed)
+        print(json.dumps({"t": elapsed, "contention": span_contention(totals)}), flush=True)
 
-        grad = jax.jit(jax.value_and_grad(loss))
-        jax.block_until_ready(grad(params))
-        train_s = _best_time(lambda: jax.block_until_ready(grad(params)), 3)
 
-        n, width = param_count(config), config.n_heads * config.head_dim
-        decode_flops = 2 * n * batch + 4 * config.n_layers * width * batch * slots
-        train_flops = batch * slots * (6 * n + 3 * 4 * config.n_layers * width * slots / 2)
-        decode_points.append((decode_flops, decode_s))
-        train_points.append((train_flops, train_s))
+# ---------------------------------------------------------------------------------------------------
+# CPU contention, from the scheduler's own accounting
+#
+# This machine may be shared with other work. Linux records, per thread, the time it ran and the time
+# it sat runnable on a run queue waiting for a core (/proc/<pid>/task/<tid>/schedstat). Over a span of
+# `elapsed` seconds, the threads of our processes (on `cores` cores) wanted (run + wait) / elapsed
+# cores on average and got run / elapsed. Without other work they would have got all they wanted, up
+# to the cores there are, so other work slowed them by
+#     contention = min(run + wait, cores * elapsed) / run        (at least 1).
+# Waiting for our own threads beyond the cores (one process running more threads than cores, as SC's
+# controller does) is not other work's doing: the cap keeps it in the measured times, where the cost
+# model's layouts account for it. The probe states its rates for cores free of other work by dividing
+# each kernel's time by its contention; a measured run's contention says how much slower than that
+# the cores were for it (HardwareProfile.device_time_scale).
 
-    def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-        (f1, t1), (f2, t2) = points
-        if t2 <= t1:  # noise swamped the difference: all of it is rate
-            return f2 / t2, 0.0
-        rate = (f2 - f1) / (t2 - t1)
-        return rate, max(t1 - f1 / rate, 0.0)
 
-    decode_rate, decode_fixed = fit(decode_points)
-    train_rate, train_fixed = fit(train_points)
-    return {"decode_flops_per_s": decode_rate, "decode_step_fixed_s": decode_fixed,
-            "train_flops_per_s": train_rate, "train_step_fixed_s": train_fixed}
+def _descendants(pid: int) -> list[int]:
+    try:
+        import psutil
+
+        return [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - a process that ended mid-walk
+        return [pid]
+
+
+def _thread_schedstats(pids: list[int]) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(pid, tid): (ns on CPU, ns waiting runnable)} for every thread of `pids`."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run_ns, wait_ns, _ = f.read().split()
+            except (OSError, ValueError):
+                continue
+            out[(pid, int(tid))] = (int(run_ns), int(wait_ns))
+    return out
+
+
+def contention(elapsed_s: float, cpu_s: float, wait_s: float, cores: int) -> float:
+    """How much other work slowed a span's threads (see the section comment); 1 without any."""
+    if cpu_s <= 0 or elapsed_s <= 0:
+        return 1.0
+    return max(1.0, min(cpu_s + wait_s, cores * elapsed_s) / cpu_s)
+
+
+# Whose contention counts. Threads that ran less than WORK_THREAD_MIN_SHARE of a span are helpers
+# (pollers, loggers, idle pools): their short wake-ups wait disproportionately long on a busy machine.
+# The processes whose other threads were runnable (running or waiting) for at least
+# STEP_PROCESS_MIN_RUNNABLE of the span are the ones the step waited on: both CO hosts (a lockstep
+# step), SC's controller, DA's longer branch (not the rollout actor idling between batches while
+# training runs). A step waits for the slowest of them, and other work need not load every core
+# alike, so a span's contention is the largest of theirs. Without such processes, all work threads count.
+WORK_THREAD_MIN_SHARE = 0.05
+STEP_PROCESS_MIN_RUNNABLE = 0.75
+
+
+def work_totals(before: dict[tuple[int, int], tuple[int, int]], after: dict[tuple[int, int], tuple[int, int]],
+                elapsed_s: float) -> dict[str, Any]:
+    """Run and wait seconds between two `_thread_schedstats` snapshots of the threads that carried the
+    span (see above; a thread missing from `before` started in it), per process:
+    {"elapsed_s", "processes": [{"pid", "cpu_s", "wait_s", "cores"}], "work_processes"}."""
+    per_process: dict[int, list[float]] = {}
+    for (pid, tid), (run_ns, wait_ns) in after.items():
+        run0, wait0 = before.get((pid, tid), (0, 0))
+        d_run, d_wait = max(0, run_ns - run0) / 1e9, max(0, wait_ns - wait0) / 1e9
+        if d_run >= WORK_THREAD_MIN_SHARE * elapsed_s:
+            totals = per_process.setdefault(pid, [0.0, 0.0])
+            totals[0] += d_run
+            totals[1] += d_wait
+    step = {pid: t for pid, t in per_process.items() if t[0] + t[1] >= STEP_PROCESS_MIN_RUNNABLE * elapsed_s}
+    if step:
+        processes = [{"pid": pid, "cpu_s": t[0], "wait_s": t[1], "cores": _cores_of(pid)} for pid, t in step.items()]
+    else:  # no process carried the span: all work threads together
+        processes = [{"pid": None, "cpu_s": sum(t[0] for t in per_process.values()),
+                      "wait_s": sum(t[1] for t in per_process.values()), "cores": len(os.sched_getaffinity(0))}]
+    return {"elapsed_s": elapsed_s, "processes": processes, "work_processes": len(per_process)}
+
+
+def _cores_of(pid: int) -> int:
+    try:
+        return len(os.sched_getaffinity(pid))
+    except OSError:  # it ended: assume the machine
+        return len(os.sched_getaffinity(0))
+
+
+def span_contention(totals: dict[str, Any]) -> float:
+    """The contention of a `work_totals` span: the largest of its step processes' (see above)."""
+    return max((contention(totals["elapsed_s"], p["cpu_s"], p["wait_s"], p["cores"]) for p in totals["processes"]),
+               default=1.0)
+
+
+class ContentionMeter:
+    """Samples the run and wait time of every thread of a process tree (this process and its
+    descendants) in a background thread; `window(t0, t1)` sums them over the span for the processes
+    that carried it, and `contention(t0, t1)` says how much other work slowed them (1: not)."""
+
+    def __init__(self, root: int | None = None, interval_s: float = 0.25):
+        import threading
+
+        self.root = root or os.getpid()
+        self.interval_s = interval_s
+        self.snapshots: list[tuple[float, dict[tuple[int, int], tuple[int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="contention-meter", daemon=True)
+
+    def _sample(self) -> None:
+        self.snapshots.append((time.monotonic(), _thread_schedstats(_descendants(self.root))))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def start(self) -> "ContentionMeter":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def window(self, start: float, end: float) -> dict[str, Any]:
+        """`work_totals` between the snapshots nearest at or before two `time.monotonic()` instants
+        (call it while the processes still run: their core counts are read now)."""
+        def at(t: float) -> tuple[float, dict]:
+            before = [snapshot for snapshot in self.snapshots if snapshot[0] <= t]
+            return before[-1] if before else self.snapshots[0]
+
+        (t0, first), (t1, last) = at(start), at(end)
+        return work_totals(first, last, t1 - t0)
+
+    def contention(self, start: float, end: float) -> float:
+        """How much other work slowed the tree between two instants (see the section comment)."""
+        return span_contention(self.window(start, end))
+
+
+class KernelProbe:
+    """Worker processes holding the compiled kernels, timed on request (see the section comment).
+
+    layout "pinned": one single-device worker per core, pinned; "controller": one unpinned worker with
+    one device per core. Close it (or use it as a context manager) to stop the workers.
+    """
+
+    def __init__(self, layout: str = "pinned", presets: tuple[str, ...] = PROBE_PRESETS,
+                 cores: list[int] | None = None, cache_dir: str | None = None):
+        if layout not in ("pinned", "controller"):
+            raise ValueError(f"layout must be 'pinned' or 'controller', got {layout!r}")
+        self.layout = layout
+        self.kernels = kernel_list(presets)
+        self.cores = cores or sorted(os.sched_getaffinity(0))
+        # A compilation cache shared by the workers (and by probes given the same `cache_dir`).
+        self._cache = None if cache_dir else tempfile.TemporaryDirectory(prefix="locojax-probe-")
+        command = [sys.executable, "-m", "locojax.placement.probe", "kernel-worker", "--kernels",
+                   json.dumps(self.kernels), "--cache-dir", cache_dir or self._cache.name]
+        self.workers: list[subprocess.Popen] = []
+        try:
+            if layout == "pinned":
+                # One after another: the first compiles, the others load its programs from the cache.
+                for core in self.cores:
+                    worker = subprocess.Popen([*command, "--devices", "1", "--core", str(core)], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                    self.workers.append(worker)
+                    self._read(worker)
+            else:
+                worker = subprocess.Popen([*command, "--devices", str(len(self.cores))], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                self.workers.append(worker)
+                self._read(worker)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _read(worker: subprocess.Popen) -> dict[str, Any]:
+        while True:
+            line = worker.stdout.readline()
+            if not line:
+                raise RuntimeError(f"probe kernel worker exited ({worker.poll()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def index(self, preset: str, kind: str, shape: tuple[int, int, int]) -> int:
+        return self.kernels.index({"preset": preset, "kind": kind, "shape": list(shape)})
+
+    def time(self, index: int, repeats: int = KERNEL_REPEATS) -> dict[str, float]:
+        """Kernel `index` run by every worker at once, `repeats` times: the medians over repeats of the
+        slowest worker's time on cores free of other work (`s`: its wall time over its `contention`) and
+        of its wall time (`wall_s`)."""
+        uncontended, wall = [], []
+        for _ in range(repeats):
+            for worker in self.workers:
+                worker.stdin.write(json.dumps({"run": index}) + "\n")
+                worker.stdin.flush()
+            replies = [self._read(worker) for worker in self.workers]
+            uncontended.append(max(r["t"] / r["contention"] for r in replies))
+            wall.append(max(r["t"] for r in replies))
+        return {"s": statistics.median(uncontended), "wall_s": statistics.median(wall)}
+
+    def measure_all(self, repeats: int = KERNEL_REPEATS) -> list[dict[str, Any]]:
+        return [{**kernel, **self.time(i, repeats)} for i, kernel in enumerate(self.kernels)]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.poll() is None:
+                try:
+                    worker.stdin.close()
+                    worker.wait(timeout=10)
+                except (OSError, subprocess.TimeoutExpired):
+                    worker.kill()
+                    worker.wait()
+        self.workers = []
+        if self._cache is not None:
+            self._cache.cleanup()
+            self._cache = None
+
+    def __enter__(self) -> "KernelProbe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: int) -> dict[str, dict[str, float]]:
+    """Per model width, the cost model's CPU rate fields from kernel timings (see the section comment).
+
+    Rates are per device while every core is busy; the profile states them for the whole machine
+    (`peak_flops` is shared by the busy chips), so per-device FLOP/s are multiplied by `cores`.
+    Non-negative least squares on relative errors.
+    """
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from locojax.model.config import PRESETS
+    from locojax.placement.cost_model import ModelSize, decode_step_flops, prefill_flops, train_flops
+    from locojax.placement.hardware import LOCAL_CPU
+
+    def solve(rows: list[list[float]], targets: list[float]) -> list[float]:
+        a, y = np.asarray(rows, float), np.asarray(targets, float)
+        scale = np.abs(a).max(axis=0)
+        scale[scale == 0] = 1.0
+        solution, _ = nnls(a / scale / y[:, None], np.ones(len(y)))
+        return list(solution / scale)
+
+    out: dict[str, dict[str, float]] = {}
+    for preset in dict.fromkeys(k["preset"] for k in timings):
+        model = ModelSize.from_config(PRESETS[preset])
+        mine = [k for k in timings if k["preset"] == preset]
+        rows, targets = [], []
+        for k in (k for k in mine if k["kind"] == "train"):
+            batch, prompt_len, new_tokens = k["shape"]
+            param, attention = train_flops(model, LOCAL_CPU, batch, prompt_len + new_tokens)
+            rows.append([1.0, param, attention])
+            targets.append(k["s"])
+        train_fixed, a, b = solve(rows, targets)
+        rows, targets = [], []
+        for k in (k for k in mine if k["kind"] == "generate"):
+            batch, prompt_len, new_tokens = k["shape"]
+            context = prompt_len + new_tokens  # dense attention over every cache slot (cost_model.decode_context)
+            pf_param, pf_attention = prefill_flops(model, batch, prompt_len, context)
+            dec_param, dec_attention = decode_step_flops(model, batch, context)
+            known = (new_tokens - 1) * a * dec_param
+            prefill = pf_param + pf_attention * (b / a if a > 0 else 1.0)
+            rows.append([prefill, (new_tokens - 1) * dec_attention, new_tokens * batch, new_tokens])
+            targets.append(max(k["s"] - known, 0.05 * k["s"]))
+        p, d, row_s, step_s = solve(rows, targets)
+        rate = 1.0 / a if a > 0 else matmul_flops / cores  # per device, while all cores are busy
+        peak = max(matmul_flops, rate * cores, cores / p if p > 0 else 0.0)
+        out[str(model.d_model)] = {
+            "peak_flops": peak,
+            "train_mfu": rate * cores / peak,
+            "decode_mfu": rate * cores / peak,  # decode's matmuls at training's rate; the rest is row overhead
+            "prefill_mfu": cores / p / peak if p > 0 else rate * cores / peak,
+            "train_attention_efficiency": min(1.0, a / b) if b > 0 else 1.0,
+            "decode_attention_efficiency": min(1.0, a / d) if d > 0 else 1.0,
+            "decode_row_overhead_s": row_s,
+            "decode_step_overhead_s": step_s,
+            "train_step_overhead_s": train_fixed,
+        }
+    return out
 
 
 def measure_reward_cost(samples: int = 2000) -> dict[str, float | None]:
@@ -171,14 +517,16 @@ def _registered_gsm8k_reward_cost(samples: int) -> float | None:
     if registry is None or "gsm8k" not in registry:
         return None
     reward = registry.get("gsm8k")
-    for call in (lambda: reward([GSM8K_COMPLETION], ["72"]), lambda: reward(GSM8K_COMPLETION, "72"),
-                 lambda: reward(completions=[GSM8K_COMPLETION], answers=["72"])):
-        try:
-            call()
-        except Exception:  # noqa: BLE001 - an unknown signature is skipped, not fatal
-            continue
-        return _best_time(lambda: [call() for _ in range(samples)], 3) / samples
-    return None
+    try:
+        from locojax.tasks import Example
+
+        example = Example(uid="probe", prompt="", reference=GSM8K_COMPLETION, answer="72",
+                          meta={"answer_format": "gsm8k"})
+        if reward(GSM8K_COMPLETION, example) <= 0:
+            return None
+    except Exception:  # noqa: BLE001 - a changed reward API is skipped, not fatal
+        return None
+    return _best_time(lambda: [reward(GSM8K_COMPLETION, example) for _ in range(samples)], 3) / samples
 
 
 def free_port() -> int:
@@ -235,21 +583,41 @@ def all_reduce_worker(process_id: int, port: int, iterations: int) -> dict[str, 
         jax.distributed.shutdown()
 
 
-def run_probe(quick: bool = False, all_reduce: bool = True) -> dict[str, Any]:
-    """Measure this machine; returns {"profile": {...}, "measurements": {...}, "machine": {...}}."""
+def run_probe(quick: bool = False, all_reduce: bool = True, presets: tuple[str, ...] | None = None,
+              controller: bool = True) -> dict[str, Any]:
+    """Measure this machine; returns {"profile": {...}, "measurements": {...}, "machine": {...}}.
+
+    `presets`: the engine models whose kernels are timed (default tiny and small; tiny with `quick`).
+    `controller`: also time the SC layout (one process driving every core's device).
+    """
+    presets = presets or (("tiny",) if quick else PROBE_PRESETS)
+    repeats = 1 if quick else KERNEL_REPEATS
     measurements: dict[str, Any] = {
         "matmul_flops": measure_matmul_flops(512 if quick else 1024, 3 if quick else 5),
         "memory_bandwidth": measure_memory_bandwidth(16 if quick else 64, 3 if quick else 5),
         "dispatch_s": measure_dispatch_latency(50 if quick else 200),
         **measure_reward_cost(500 if quick else 2000),
-        **measure_engine_rates(quick),
     }
+    cores = len(os.sched_getaffinity(0))
+    cache = tempfile.TemporaryDirectory(prefix="locojax-probe-")  # the layouts share compiled programs
+    try:
+        with KernelProbe("pinned", presets, cache_dir=cache.name) as probe:
+            measurements["kernels_pinned"] = probe.measure_all(repeats)
+        if controller and cores > 1:
+            with KernelProbe("controller", presets, cache_dir=cache.name) as sc_probe:
+                measurements["kernels_controller"] = sc_probe.measure_all(repeats)
+    finally:
+        cache.cleanup()
+    measured_rates = fit_kernel_rates(measurements["kernels_pinned"], measurements["matmul_flops"], cores)
+    controller_rates: dict[str, dict[str, float]] = {}
+    if "kernels_controller" in measurements:
+        controller_rates = fit_kernel_rates(measurements["kernels_controller"], measurements["matmul_flops"], cores)
+    first = next(iter(measured_rates.values()))
     profile: dict[str, Any] = {
-        # The rates the engine's own small matmuls reach, not the large-matmul peak.
-        "peak_flops": measurements["decode_flops_per_s"],
-        "train_mfu": min(1.0, measurements["train_flops_per_s"] / measurements["decode_flops_per_s"]),
-        "decode_step_overhead_s": measurements["decode_step_fixed_s"],
-        "train_step_overhead_s": measurements["train_step_fixed_s"],
+        **first,  # models of another width take their nearest measured width (HardwareProfile.rates_for)
+        "measured_rates": measured_rates,
+        "controller_rates": controller_rates,
+        "rates_include_memory": True,
         "hbm_bandwidth": measurements["memory_bandwidth"],
         "ici_bandwidth": measurements["memory_bandwidth"],  # devices of one process share memory
         "pcie_bandwidth": measurements["memory_bandwidth"],
@@ -265,6 +633,8 @@ def run_probe(quick: bool = False, all_reduce: bool = True) -> dict[str, Any]:
         extra = max(timings["large_s"] - timings["small_s"], 1e-9)
         profile["dcn_bandwidth_per_chip"] = (LARGE_ALL_REDUCE_BYTES - SMALL_ALL_REDUCE_BYTES) / extra
     sources = {field: "locojax probe" for field in profile}
+    sources["rates"] = ("locojax probe: the engine's train step and rollout of presets " + ", ".join(presets)
+                        + " timed on every core at once, fitted per model width")
     return {
         "profile": {**profile, "sources": sources},
         "measurements": measurements,
@@ -287,7 +657,17 @@ def _main(argv: list[str] | None = None) -> None:
     worker.add_argument("--port", type=int, required=True)
     worker.add_argument("--process-id", type=int, required=True)
     worker.add_argument("--iterations", type=int, default=20)
+    kernels = sub.add_parser("kernel-worker", help="a process holding compiled engine kernels, timed on request")
+    kernels.add_argument("--devices", type=int, default=1)
+    kernels.add_argument("--kernels", required=True, help="JSON list of kernels (see kernel_list)")
+    kernels.add_argument("--cache-dir", default=None, help="persistent JAX compilation cache shared by the workers")
+    kernels.add_argument("--core", type=int, default=None, help="pin this process to one core (before JAX starts)")
     args = parser.parse_args(argv)
+    if args.command == "kernel-worker":
+        if args.core is not None:
+            os.sched_setaffinity(0, [args.core])
+        kernel_worker(args.devices, json.loads(args.kernels), args.cache_dir)
+        return
     print(json.dumps(all_reduce_worker(args.process_id, args.port, args.iterations)), flush=True)
 
 

@@ -5,6 +5,10 @@ texts are deliberately terse: at difficulty 1 a prompt is one short sentence (~5
 reference is `12+5=17\\n#### 17` (~16 bytes). Harder levels add operations, one working line each.
 
 Difficulty ladder (numbers and results stay non-negative integers):
+  0  a bare equation `12+7=` (one + or -, numbers drawn as in level 1); the reference is `#### 19`.
+     The demo level: at most 7 prompt tokens (with BOS) and 8 completion tokens (with EOS), so a
+     GRPO step costs a fraction of a story problem's; the answer is computed in one shot, which a
+     few minutes of SFT teaches only in part, leaving GRPO something to improve (locojax.demo)
   1  one + or -, every number (operands and result) 1-2 digits
   2  one +, - or x, operands up to 3 digits (x: a 1-digit factor)
   3  two steps of +, -, x, operands up to 2 digits
@@ -41,6 +45,7 @@ _STEP_CLAUSE = {
 
 # difficulty -> (number of operations, allowed operations, largest operand)
 LEVELS: dict[int, tuple[int, str, int]] = {
+    0: (1, "+-", 99),
     1: (1, "+-", 99),
     2: (1, "+-*", 999),
     3: (2, "+-*", 99),
@@ -70,7 +75,7 @@ def _operand(rng: random.Random, op: str, value: int, largest: int) -> int | Non
 def _one_step(rng: random.Random, difficulty: int) -> tuple[str, list[tuple[int, str, int, int]]]:
     _, ops, largest = LEVELS[difficulty]
     op = rng.choice(ops)
-    if difficulty == 1:
+    if difficulty <= 1:
         # Keep every number 1-2 digits: a + b <= 99, a - b >= 0.
         if op == "+":
             a = rng.randint(1, 98)
@@ -114,6 +119,10 @@ def make_example(difficulty: int, index: int) -> Example:
     rng = random.Random(f"arith:{difficulty}:{index}")
     question, steps = (_one_step if LEVELS[difficulty][0] == 1 else _multi_step)(rng, difficulty)
     answer = steps[-1][3]
+    if difficulty == 0:
+        a, op, b, _ = steps[0]
+        return Example(uid=f"arith-d0-{index}", prompt=f"{a}{op}{b}=", reference=f"#### {answer}", answer=str(answer),
+                       meta={"answer_format": GSM8K_FORMAT, "difficulty": 0, "steps": 1})
     working = "\n".join(f"{a}{op}{b}={result}" for a, op, b, result in steps)
     return Example(
         uid=f"arith-d{difficulty}-{index}",

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from server.errors import ConflictError, NotFoundError
 from server.models import Host, HostRecordStatus, utcnow
 from server.schemas import HostPublic, HostRegister
+from server.services import lifecycle
 from server.settings import Settings
 
 
@@ -35,8 +36,21 @@ def to_public(host: Host, settings: Settings, now: datetime | None = None) -> Ho
 
 
 def register(session: Session, report: HostRegister) -> Host:
-    """Idempotent: a worker re-registers on every start; its reservation (if any) is kept."""
+    """Idempotent: a worker re-registers on every start; its reservation (if any) is kept.
+
+    A worker names its process in `info["instance"]` (new at every start). When a host registers with
+    another instance than before, its previous worker is gone, and so is every engine process that
+    worker had started (they die with it): those are marked LOST at once and their runs recover. A
+    worker restarted within `host_lost_s` (compose, systemd) would otherwise keep heartbeating for a
+    process that no longer exists, and a one-host run would wait forever.
+    """
     now = utcnow()
+    previous = session.scalar(select(Host).where(Host.name == report.name))
+    instance = report.info.get("instance")
+    if previous is not None and instance is not None and (previous.info or {}).get("instance") not in (None, instance):
+        # Runs are locked before the host row, the order run transitions use.
+        lifecycle.lose_processes_on(session, report.name, "its worker restarted", source="hosts",
+                                    claimed_only=True, now=now)
     for _ in range(2):
         host = session.scalar(select(Host).where(Host.name == report.name))
         if host is None:

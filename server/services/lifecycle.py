@@ -15,10 +15,13 @@ cancel flag); that ends the run CANCELLED, never FAILED.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.models import ENDED_PROCESS_STATES, HostProcessStatus, Run, RunHost, RunStatus
+from server.models import ENDED_PROCESS_STATES, HostProcessStatus, Run, RunHost, RunStatus, utcnow
+from server.services import events
 from server.services import runs as run_service
 
 S = RunStatus
@@ -82,3 +85,27 @@ def settle(session: Session, run: Run, *, source: str = "server") -> None:
         else:
             run_service.transition(session, run, S.SUCCEEDED,
                                    reason=f"all {len(current)} host process(es) exited cleanly", source=source)
+
+
+def lose_processes_on(session: Session, host_name: str, why: str, *, source: str, claimed_only: bool = False,
+                      now: datetime | None = None) -> list[int]:
+    """Mark the live processes that `host_name` ran LOST (the host, or its worker, is gone) and settle
+    their runs; returns the run ids. Each run is locked before its rows change; the caller commits.
+
+    `claimed_only`: only processes a worker had taken up (pid or coordinator address reported); a start
+    message nobody took is sent again by the scheduler instead.
+    """
+    now = now or utcnow()
+    rows = list(session.scalars(select(RunHost).where(
+        RunHost.host_name == host_name, RunHost.status.in_(ALIVE_PROCESS_STATES))))
+    if claimed_only:
+        rows = [row for row in rows if row.pid is not None or row.address is not None]
+    run_ids = sorted({row.run_id for row in rows})
+    for run_id in run_ids:
+        run = run_service.get_for_update(session, run_id)
+        for row in rows:
+            if row.run_id == run_id:
+                row.status, row.ended_at, row.updated_at = P.LOST, now, now
+        events.record(session, run_id, f"host {host_name} lost: {why}", level="error", source=source)
+        settle(session, run, source=source)
+    return run_ids

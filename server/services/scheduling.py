@@ -14,7 +14,9 @@ should happen from the tables:
     old one are stale); one whose messages went unanswered for `dispatch_resend_s` is sent again
     (start messages are idempotent per run, attempt and process);
   * a host whose heartbeat is older than `host_lost_s` is marked LOST, and so are the live processes
-    it ran: their runs go RECOVERING (or FAILED when out of restarts) through the lifecycle;
+    it ran: their runs go RECOVERING (or FAILED when out of restarts) through the lifecycle; not
+    before the reconciler has itself reached the database for `host_lost_s` (after a database or API
+    outage every heartbeat is old, and that says nothing about the hosts);
   * a RECOVERING run is restarted, from its last checkpoint, once every process of the old attempt
     has ended, on its still-online hosts plus free ones replacing lost hosts.
 """
@@ -181,9 +183,17 @@ def check_starting(session: Session, settings: Settings, now: datetime | None = 
     return messages
 
 
-def check_hosts(session: Session, settings: Settings, now: datetime | None = None) -> None:
-    """Mark hosts with stale heartbeats LOST, and the live processes they ran with them."""
+def check_hosts(session: Session, settings: Settings, now: datetime | None = None,
+                watching_since: datetime | None = None) -> None:
+    """Mark hosts with stale heartbeats LOST, and the live processes they ran with them.
+
+    `watching_since`: since when the caller has reached the database without a break. Heartbeats cannot
+    land while the database (or the API) is down, so after such an outage every host looks silent;
+    nobody is declared lost until the reconciler has itself watched for `host_lost_s`.
+    """
     now = now or utcnow()
+    if watching_since is not None and (now - watching_since).total_seconds() < settings.host_lost_s:
+        return
     cutoff = now - timedelta(seconds=settings.host_lost_s)
     lost = list(session.scalars(_lock(select(Host).where(Host.status == HostRecordStatus.ONLINE,
                                                          Host.last_heartbeat < cutoff), session)))
@@ -191,17 +201,9 @@ def check_hosts(session: Session, settings: Settings, now: datetime | None = Non
         host.status = HostRecordStatus.LOST
     session.commit()
     for host in lost:
-        rows = list(session.scalars(select(RunHost).where(
-            RunHost.host_name == host.name, RunHost.status.in_(lifecycle.ALIVE_PROCESS_STATES))))
-        for run_id in sorted({row.run_id for row in rows}):
-            run = run_service.get_for_update(session, run_id)
-            for row in rows:
-                if row.run_id == run_id:
-                    row.status, row.ended_at, row.updated_at = P.LOST, now, now
-            events.record(session, run_id, f"host {host.name} lost: no heartbeat for {settings.host_lost_s:g} s",
-                          level="error", source="reconciler")
-            lifecycle.settle(session, run, source="reconciler")
-            session.commit()
+        lifecycle.lose_processes_on(session, host.name, f"no heartbeat for {settings.host_lost_s:g} s",
+                                    source="reconciler", now=now)
+        session.commit()
 
 
 def check_recovering(session: Session, settings: Settings, now: datetime | None = None) -> list[StartMessage]:
@@ -255,9 +257,10 @@ def check_recovering(session: Session, settings: Settings, now: datetime | None 
     return messages
 
 
-def tick(session: Session, settings: Settings, now: datetime | None = None) -> list[StartMessage]:
+def tick(session: Session, settings: Settings, now: datetime | None = None,
+         watching_since: datetime | None = None) -> list[StartMessage]:
     """One pass of the reconciler and the scheduler; returns the start messages to send."""
-    check_hosts(session, settings, now)
+    check_hosts(session, settings, now, watching_since)
     messages = check_recovering(session, settings, now)
     messages += check_starting(session, settings, now)
     messages += schedule_queued(session, settings, now)

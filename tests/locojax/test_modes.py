@@ -99,3 +99,57 @@ def test_da_rollout_host_failure_ends_the_run_naming_host_and_phase(tmp_path):
     assert "rollout host 0" in stderr and ("rollout of step" in stderr or "weight load" in stderr)
     time.sleep(1)
     assert not _processes("raylet") and not _processes("gcs_server")
+
+
+def _params_after(run_dir: Path, step: int):
+    return checkpoint_params(run_dir, step)
+
+
+@pytest.mark.slow
+def test_sc_applies_the_kl_penalty_exactly_as_co(tmp_path):
+    """SC's KL path is CO's: the same frozen reference (the starting policy) and the same jitted
+    log-prob kernel, so SC over 2 simulated hosts and CO on one process reach the same params. A
+    large coefficient makes the penalty move the params measurably (checked against kl_coef 0), so
+    an SC that skipped or mis-aligned the reference could not pass."""
+    from locojax.modes.co import run_co
+    from locojax.modes.sc import run_sc
+    from locojax.spec import parse_spec
+
+    def spec(name, kl, **placement):
+        return parse_spec({**tiny_spec(tmp_path, name, placement=placement), "algo": {"kl_coef": kl}})
+
+    run_sc(spec("sc-kl", 1.0, mode="sc", hosts=2), console=False)
+    run_co(spec("co-kl", 1.0), console=False)
+    run_co(spec("co-no-kl", 0.0), console=False)
+    sc_rows = [r for r in m.read_jsonl(tmp_path / "sc-kl" / "metrics.jsonl") if r["host"] == "all"]
+    co_rows = [r for r in m.read_jsonl(tmp_path / "co-kl" / "metrics.jsonl") if r["host"] == "all"]
+    # Step 0 trains the reference itself (KL 0); later steps have moved away from it.
+    assert sc_rows[0][m.LOSS_KL] == pytest.approx(0.0, abs=1e-6) and sc_rows[2][m.LOSS_KL] > 1e-5
+    for sc_row, co_row in zip(sc_rows, co_rows, strict=True):
+        assert sc_row[m.LOSS_KL] == pytest.approx(co_row[m.LOSS_KL], rel=1e-3, abs=1e-7)
+    sc, co, no_kl = (_params_after(tmp_path / name, 3) for name in ("sc-kl", "co-kl", "co-no-kl"))
+    assert_trees_close(sc, co, atol=1e-5)
+    import jax
+    import numpy as np
+
+    kl_effect = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                    for a, b in zip(jax.tree.leaves(co), jax.tree.leaves(no_kl)))
+    assert kl_effect > 1e-4, "the KL penalty should change the params more than the tolerance above"
+
+
+@pytest.mark.slow
+def test_resumed_run_keeps_the_starting_policy_as_kl_reference(tmp_path):
+    """The KL reference is the run's starting policy, also after a resume (it used to be the
+    restored params, so a resumed run penalised against a different policy than a straight one)."""
+    from locojax.modes.co import run_co
+    from locojax.spec import parse_spec
+
+    def spec(name, steps):
+        return parse_spec({**tiny_spec(tmp_path, name, steps=steps, checkpoint={"every": 2, "keep": 3}),
+                           "algo": {"kl_coef": 1.0}})
+
+    run_co(spec("straight", 4), console=False)
+    run_co(spec("resumed", 2), console=False)
+    result = run_co(spec("resumed", 4), resume=True, console=False)
+    assert result.steps_done == 4
+    assert_trees_close(_params_after(tmp_path / "straight", 4), _params_after(tmp_path / "resumed", 4), atol=1e-6)

@@ -74,6 +74,28 @@ def test_arith_difficulty_1_is_short_for_the_demo_model():
     assert {task.example(i).reference[2:3] for i in range(200)} & {"+", "-"}  # both operations appear
 
 
+def test_arith_difficulty_0_is_a_bare_equation_with_a_gsm8k_answer():
+    """The demo level: `45+14=` -> `#### 59`, so prompts and completions are a few tokens each."""
+    task = ArithTask(0)
+    strict = REWARDS.get("gsm8k")
+    for i in range(500):
+        example = task.example(i)
+        a, op, b = re.fullmatch(r"(\d{1,2})([-+])(\d{1,2})=", example.prompt).groups()
+        answer = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert 0 <= answer <= 99 and example.reference == f"#### {answer}" and example.answer == str(answer)
+        assert strict(example.reference, example) == 1.0 and strict(f"#### {answer + 1}", example) == 0.0
+        assert len(example.prompt.encode()) <= 6 and example.meta["difficulty"] == 0
+    assert {task.example(i).prompt.strip("0123456789=") for i in range(200)} == {"+", "-"}
+
+
+def test_difficulty_0_is_arith_only():
+    from locojax.spec import SpecError, parse_spec
+
+    assert parse_spec({"task": {"name": "arith", "difficulty": 0}}).task.difficulty == 0
+    with pytest.raises(SpecError, match="difficulty 0 exists for arith only"):
+        parse_spec({"task": {"name": "countdown", "difficulty": 0}})
+
+
 def test_difficulty_grows():
     for task_class in (ArithTask, CountdownTask):
         mean_lengths = [sum(len(task_class(d).example(i).reference) for i in range(100)) for d in (1, 3, 5)]

@@ -91,6 +91,23 @@ def test_paths_inside_the_roots_are_accepted(client, submitter):
     assert client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).status_code == 201
 
 
+@pytest.mark.parametrize("task, field", [
+    ({"name": "no-such-task"}, "spec.task.name"),
+    ({"name": "arith", "reward": ["format", "no_such_reward"]}, "spec.task.reward.1"),
+    ({"name": "arith", "reward": ["../../etc/passwd"]}, "spec.task.reward.0"),
+])
+def test_unknown_task_and_reward_names_are_422_naming_the_field(client, db, submitter, task, field):
+    error = assert_error(client.post("/api/v1/runs", json={"spec": {"name": "names", "task": task}},
+                                     headers=submitter), 422, "UNKNOWN_NAME")
+    assert [item["field"] for item in error["details"]] == [field]
+    assert _run_count(db) == 0
+
+
+def test_registered_and_importable_reward_names_are_accepted(client, submitter):
+    spec = {"name": "names", "task": {"name": "countdown", "reward": ["countdown", "my_rewards.module:score"]}}
+    assert client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).status_code == 201
+
+
 def test_unknown_decision_is_422(client, db, submitter):
     spec = {**SPEC, "placement": {"mode": "co", "hosts": 2, "decision_id": 12345}}
     error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "DECISION_NOT_FOUND")
@@ -343,7 +360,11 @@ def test_oversize_and_deeply_nested_bodies_are_refused_in_the_error_shape(backen
 
         assert_error(client.post("/api/v1/runs", content=chunked(), headers=headers), 413, "PAYLOAD_TOO_LARGE")
         deep = b'{"spec": ' + b"[" * 3_000 + b"]" * 3_000 + b"}"
-        assert_error(client.post("/api/v1/runs", content=deep, headers=headers), 422, "VALIDATION_ERROR")
+        error = assert_error(client.post("/api/v1/runs", content=deep, headers=headers), 422, "VALIDATION_ERROR")
+        assert error["message"] == "body: nested too deeply"
+        latin1 = '{"spec": {"name": "caf\u00e9"}}'.encode("latin-1")
+        error = assert_error(client.post("/api/v1/runs", content=latin1, headers=headers), 422, "VALIDATION_ERROR")
+        assert error["message"].startswith("body: not UTF-8")
         assert _run_count(backend.db) == 0
     finally:
         small.state.db.dispose()

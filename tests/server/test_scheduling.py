@@ -151,6 +151,53 @@ def test_a_lost_host_sends_its_run_to_recovery_and_the_group_restarts(backend):
     assert run.status is S.FAILED and "exit code 1" in run.status_reason and "after 1 restart" in run.status_reason
 
 
+def test_no_host_is_lost_until_the_reconciler_has_watched_for_host_lost_s(backend):
+    """After the database (or the API) was down, every heartbeat is old: that is the outage, not the hosts."""
+    settings = backend.settings
+    add_hosts(backend.db, "h0")
+    run_id = insert_run(backend.db, hosts_needed=1)
+    tick(backend)
+    report(backend.db, run_id, 0, P.RUNNING, pid=10)
+    now = utcnow()
+    with backend.db.write_session() as session:  # silent all through an outage
+        session.scalar(select(Host).where(Host.name == "h0")).last_heartbeat = \
+            now - timedelta(seconds=settings.host_lost_s + 5)
+        session.commit()
+    with backend.db.write_session() as session:  # watching again for less than host_lost_s: no verdict yet
+        scheduling.tick(session, settings, now, watching_since=now - timedelta(seconds=settings.host_lost_s - 1))
+    assert run_row(backend.db, run_id).status is S.RUNNING
+    with backend.db.write_session() as session:  # watched long enough, still silent: lost
+        scheduling.tick(session, settings, now, watching_since=now - timedelta(seconds=settings.host_lost_s))
+    assert run_row(backend.db, run_id).status is S.RECOVERING
+
+
+def test_a_worker_restarted_under_its_name_loses_what_its_predecessor_ran(backend):
+    """The engine processes die with their worker; a prompt restart must not leave their rows RUNNING."""
+    from server.schemas import HostRegister
+    from server.services import hosts as host_service
+
+    def register(name: str, instance: str) -> None:
+        with backend.db.write_session() as session:
+            host_service.register(session, HostRegister(name=name, info={"instance": instance}))
+
+    register("h0", "first")
+    register("h1", "first")
+    run_id = insert_run(backend.db, hosts_needed=2)
+    tick(backend)
+    report(backend.db, run_id, 0, P.RUNNING, pid=10, host_name="h0")
+    register("h0", "first")  # the same worker registering again (e.g. after a 404) changes nothing
+    assert run_row(backend.db, run_id).status is S.STARTING
+    register("h1", "second")  # h1 never reported a pid: its start message is resent, not given up
+    assert run_row(backend.db, run_id).status is S.STARTING
+    register("h0", "second")
+    run = run_row(backend.db, run_id)
+    assert (run.status, run.attempt) == (S.RECOVERING, 1)
+    assert "h0" in run.status_reason and "lost" in run.status_reason
+    with backend.db.read_session() as session:
+        rows = {row.process_index: row.status for row in session.scalars(select(RunHost).where(RunHost.attempt == 0))}
+    assert rows == {0: P.LOST, 1: P.STARTING}
+
+
 def test_recovery_waits_for_the_old_processes(backend):
     add_hosts(backend.db, "h0", "h1")
     run_id = insert_run(backend.db, hosts_needed=2)

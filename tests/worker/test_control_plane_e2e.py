@@ -12,7 +12,6 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -21,20 +20,11 @@ from locojax.client import ApiClient
 from locojax.launch import free_port
 from server.embedded import ControlPlane, start
 from server.settings import Settings
+from tests.e2e.helpers import alive, host_pids, last_step, steps_of, tiny_spec, wait_final, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.postgres, pytest.mark.redis]
 
 REDIS_URL = "redis://127.0.0.1:6379/7"  # a database of its own, emptied before the module
-
-
-def tiny_spec(name: str, *, hosts: int, steps: int, every: int = 0, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": name, "seed": 0, "model": {"preset": "tiny"}, "task": {"name": "arith", "difficulty": 1},
-        "rollout": {"prompts_per_step": 4, "group_size": 2, "max_prompt_tokens": 48, "max_new_tokens": 6},
-        "optim": {"lr": 3e-4, "warmup_steps": 0}, "steps": steps,
-        "placement": {"mode": "co", "hosts": hosts, "devices_per_host": 1},
-        "checkpoint": {"every": every, "keep": 2}, **extra,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -60,47 +50,6 @@ def plane(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def api(plane: ControlPlane) -> Iterator[ApiClient]:
     with plane.client() as client:
         yield client
-
-
-def wait_until(predicate: Any, timeout_s: float, what: str, poll_s: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def wait_final(api: ApiClient, run_id: int, timeout_s: float = 300.0) -> dict[str, Any]:
-    return wait_until(lambda: (run := api.get_run(run_id))["status"] in {"SUCCEEDED", "FAILED", "CANCELLED"} and run,
-                      timeout_s, f"run {run_id} to finish")
-
-
-def last_step(api: ApiClient, run_id: int) -> int:
-    step = api.metric_summary(run_id)["last_step"]
-    return -1 if step is None else step
-
-
-def steps_of(api: ApiClient, run_id: int, key: str, host: int) -> list[int]:
-    series = api.metric_history(run_id, [key], hosts=[host], max_points=10_000)["series"]
-    return series[0]["steps"] if series else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it holds nothing, and its parent (the worker) reaps it.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def host_pids(api: ApiClient, run_id: int, attempt: int | None = None) -> list[int]:
-    return [row["pid"] for row in api.list_run_hosts(run_id, attempt) if row["pid"]]
 
 
 def test_two_host_co_run_through_celery_succeeds_with_every_metric(api: ApiClient):

@@ -1,0 +1,43 @@
+"""The worker's metrics relay against a fake API: every row the engine wrote is delivered once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from locojax.client import ApiClientError
+from worker.supervisor import METRICS_BATCH_ROWS, MetricsRelay
+
+
+class ValueLimitedApi:
+    """Refuses batches over `max_values` values with a 413, as the API does (metrics_batch_max_values)."""
+
+    def __init__(self, max_values: int):
+        self.max_values = max_values
+        self.stored: dict[tuple[int, int, str], float] = {}
+        self.refused = 0
+
+    def post_metrics(self, run_id: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        values = sum(len(row["values"]) for row in rows)
+        if values > self.max_values:
+            self.refused += 1
+            raise ApiClientError(413, "BATCH_TOO_LARGE", f"batch has {values} values")
+        for row in rows:
+            for key, value in row["values"].items():
+                self.stored[(row["step"], row["host"], key)] = value
+        return {"run_id": run_id, "values": values}
+
+
+def test_batches_too_large_for_the_api_are_split_not_dropped(tmp_path: Path):
+    keys = [f"layer{i}/grad_norm" for i in range(40)]  # 40 values a row: 500 rows is 20,000 values
+    path = tmp_path / "metrics.jsonl"
+    with path.open("w") as handle:
+        for step in range(METRICS_BATCH_ROWS + 100):
+            handle.write(json.dumps({"step": step, "host": "all", **{key: float(step) for key in keys}}) + "\n")
+    api = ValueLimitedApi(max_values=5_000)
+    relay = MetricsRelay(api, run_id=1, path=path)  # type: ignore[arg-type]
+    relay.read()
+    assert relay.flush() and relay.pending == []
+    assert api.refused >= 1 and relay.batch_rows * len(keys) <= 5_000
+    assert len(api.stored) == (METRICS_BATCH_ROWS + 100) * len(keys)
