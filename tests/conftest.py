@@ -1,15 +1,43 @@
-"""Fixtures shared by every test package: a fresh database on the local PostgreSQL per test session."""
+"""Fixtures shared by every test package: a fresh database on the local PostgreSQL per test session, and
+a way to find the processes this test session started (and no one else's)."""
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+# Every process a test starts inherits this variable, and so do their children (JAX hosts, Ray's raylet
+# and workers). Checks for leftover processes look only at those carrying it: other suites, benchmarks
+# or people on the same machine must neither fail these checks nor be picked as a process to kill.
+SESSION_VARIABLE = "LOCOJAX_TEST_SESSION"
+os.environ[SESSION_VARIABLE] = secrets.token_hex(8)
+
+
+def session_processes(fragment: str) -> list[int]:
+    """Live processes of this test session whose command line contains `fragment`."""
+    marker = f"{SESSION_VARIABLE}={os.environ[SESSION_VARIABLE]}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # exited while we looked
+        if fragment in command and state != "Z":  # a zombie holds nothing; its parent reaps it
+            found.append(int(entry.name))
+    return found
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

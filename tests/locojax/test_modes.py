@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from locojax import metrics as m
+from tests.conftest import session_processes
 from tests.locojax.test_co import ROOT, assert_trees_close, checkpoint_params, locojax, tiny_spec, write_spec
 
 
 def _processes(pattern: str) -> list[int]:
-    done = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
-    return [int(pid) for pid in done.stdout.split() if int(pid) != os.getpid()]
+    return session_processes(pattern)
 
 
 @pytest.mark.multiprocess
@@ -128,13 +128,16 @@ def test_sc_applies_the_kl_penalty_exactly_as_co(tmp_path):
     for sc_row, co_row in zip(sc_rows, co_rows, strict=True):
         assert sc_row[m.LOSS_KL] == pytest.approx(co_row[m.LOSS_KL], rel=1e-3, abs=1e-7)
     sc, co, no_kl = (_params_after(tmp_path / name, 3) for name in ("sc-kl", "co-kl", "co-no-kl"))
-    assert_trees_close(sc, co, atol=1e-5)
+    # SC reduces the gradient over 2 devices, in-process CO over this session's 4: float32 sums in
+    # another order, which Adam's first steps (update ~ lr * sign) amplify to ~lr (3e-4) in a few
+    # weights. The KL penalty's own effect must stand well above that.
+    assert_trees_close(sc, co, atol=1e-3)
     import jax
     import numpy as np
 
     kl_effect = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                     for a, b in zip(jax.tree.leaves(co), jax.tree.leaves(no_kl)))
-    assert kl_effect > 1e-4, "the KL penalty should change the params more than the tolerance above"
+    assert kl_effect > 5e-3, f"the KL penalty moved the params by only {kl_effect:.2e}, within reach of the tolerance"
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from locojax.modes.common import load_policy
 from locojax.sft import export_dir, reference_batch, run_sft
 from locojax.spec import RunSpec, SpecError, load_spec, parse_spec
 from locojax.tasks import make_task
+from locojax.tokenizer import ByteTokenizer
 from tests.locojax.test_co import ROOT, locojax, write_spec
 
 
@@ -53,7 +54,7 @@ def test_kind_defaults_to_grpo_and_sft_is_single_host():
 def test_reference_batch_teaches_reference_and_eos_after_the_left_padded_prompt():
     task = make_task(parse_spec({"task": {"name": "arith", "difficulty": 0}}).task)
     examples = [task.example(i) for i in range(4)]
-    tokenizer = load_policy(parse_spec({})).tokenizer
+    tokenizer = ByteTokenizer()
     batch = reference_batch(examples, tokenizer, 8, 8)
     for row, example in enumerate(examples):
         prompt = batch["tokens"][row, :8][batch["prompt_mask"][row]]
@@ -62,6 +63,7 @@ def test_reference_batch_teaches_reference_and_eos_after_the_left_padded_prompt(
         assert tokenizer.decode(completion[:-1]) == example.reference and completion[-1] == tokenizer.eos_id
 
 
+@pytest.mark.slow
 def test_sft_run_reports_like_any_run_and_exports_a_model_grpo_loads(tmp_path):
     spec = parse_spec(sft_spec(tmp_path))
     result = run_mode(spec, console=False)  # dispatches on kind

@@ -20,6 +20,7 @@ from locojax.client import ApiClient
 from locojax.launch import free_port
 from server.embedded import ControlPlane, start
 from server.settings import Settings
+from tests.conftest import session_processes
 from tests.e2e.helpers import alive, host_pids, last_step, steps_of, tiny_spec, wait_final, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.postgres, pytest.mark.redis]
@@ -142,15 +143,5 @@ def test_a_da_run_goes_to_its_driver_host_and_leaves_no_ray_behind(api: ApiClien
     rows = api.list_run_hosts(run["id"])
     assert [(r["process_index"], r["role"], r["status"]) for r in rows] == [(0, "controller", "EXITED")]
     assert steps_of(api, run["id"], "da/staleness", -1) == [0, 1, 2]
-    assert wait_until(lambda: not processes_named(b"raylet"), 10, "Ray to shut down") is True
+    assert wait_until(lambda: not session_processes("raylet"), 10, "Ray to shut down") is True
 
-
-def processes_named(fragment: bytes) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and fragment in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
-                found.append(int(entry.name))
-        except OSError:
-            continue  # exited while we looked
-    return found
