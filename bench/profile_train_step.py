@@ -14,13 +14,17 @@ Parts (each jitted alone via `jax.jit(f).lower(...).compile()`, then called `--r
 `block_until_ready`; CPU seconds are this process's user+system time over the call, all threads):
   rollout   the real `RolloutRunner.sample` (prefill + 64 decode steps)
   ref       the reference log-prob pass (`make_logprobs_fn`, as modes/co.py calls it)
-  fwd       the model forward alone (logits [B, P+N, V])
+  fwd       the model forward alone over all slots (logits [B, P+N, V]; training asks for N)
   loss      forward + log-probs + entropy + the GRPO objective (no gradient)
   grad      forward + backward of the GRPO objective (what the train step differentiates)
   opt       clip + AdamW update + apply (the optimizer alone, given gradients)
   train     the real jitted, donated `make_train_step` (grad + opt in one computation)
 FLOPs are XLA's `cost_analysis()` of each compiled computation; GFLOP/s is FLOPs / CPU second
-(so a process that gets one busy core of two still reads as the per-core rate it achieved).
+(so a process that gets one busy core of two still reads as the per-core rate it achieved; a quiet
+f32 matmul of these shapes runs at ~110-230 GFLOP per CPU second on this machine's AVX-512 cores).
+`temp MiB` is XLA's temporary buffer of the computation and `faults/call` the minor page faults of
+one call: XLA:CPU mallocs the whole temporary buffer afresh on every call and glibc serves that
+size with a new mmap, so every call faults (and the kernel zeroes) all of it again.
 
 The machine is shared: compare CPU seconds, interleave A/B runs (e.g. alternate processes with
 PYTHONPATH pointing at a baseline copy of `locojax/`), and read medians.
@@ -46,6 +50,21 @@ PARTS = ("rollout", "ref", "fwd", "loss", "grad", "opt", "train")
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _costs(exe) -> tuple[float, float]:
+    """(FLOPs, temporary buffer MiB) of a compiled computation, NaN where XLA does not say."""
+    cost = exe.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    try:
+        temp = exe.memory_analysis().temp_size_in_bytes / 2**20
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        temp = float("nan")
+    return float((cost or {}).get("flops", float("nan"))), temp
 
 
 def _bench_spec():
@@ -181,13 +200,9 @@ def main() -> None:
     train_step = T.make_train_step(graphdef, optimizer, algo, temperature=temperature)
     train_state = [jax.tree.map(jnp.copy, state)]  # the step donates its state; keep our own copy
 
-    # name -> (compiled-or-callable, args thunk, flops)
-    def compiled(fn, *xs, donate=()):
-        lowered = jax.jit(fn, donate_argnums=donate).lower(*xs)
-        exe = lowered.compile()
-        cost = exe.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        return exe, float((cost or {}).get("flops", float("nan")))
+    def compiled(fn, *xs):
+        exe = jax.jit(fn).lower(*xs).compile()
+        return exe, _costs(exe)
 
     cases = {}
     for name in parts:
@@ -195,35 +210,34 @@ def main() -> None:
         if name == "rollout":
             keys = iter(range(1, 10_000))
             call = lambda: runner.sample(local_params, examples, rollout_key(spec.seed, next(keys)), 0)[2]
-            flops = float("nan")
+            costs = (float("nan"), float("nan"))
         elif name == "ref":
             exe = ref_fn.lower(reference_params, batch["tokens"], batch["prompt_mask"],
                                batch["completion_mask"]).compile()
-            cost = exe.cost_analysis()
-            flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost or {}).get("flops", float("nan")))
+            costs = _costs(exe)
             call = lambda exe=exe: exe(reference_params, batch["tokens"], batch["prompt_mask"], batch["completion_mask"])
         elif name == "fwd":
-            exe, flops = compiled(fwd, state.params, batch["tokens"], batch["prompt_mask"], batch["completion_mask"])
+            exe, costs = compiled(fwd, state.params, batch["tokens"], batch["prompt_mask"], batch["completion_mask"])
             call = lambda exe=exe: exe(state.params, batch["tokens"], batch["prompt_mask"], batch["completion_mask"])
         elif name == "loss":
-            exe, flops = compiled(lambda p, x: loss_fn(p, x)[0], state.params, mb)
+            exe, costs = compiled(lambda p, x: loss_fn(p, x)[0], state.params, mb)
             call = lambda exe=exe: exe(state.params, mb)
         elif name == "grad":
-            exe, flops = compiled(jax.grad(loss_fn, has_aux=True), state.params, mb)
+            exe, costs = compiled(jax.grad(loss_fn, has_aux=True), state.params, mb)
             call = lambda exe=exe: exe(state.params, mb)
         elif name == "opt":
-            exe, flops = compiled(opt, state.params, state.opt_state, grads0)
+            exe, costs = compiled(opt, state.params, state.opt_state, grads0)
             call = lambda exe=exe: exe(state.params, state.opt_state, grads0)
         elif name == "train":
             exe = train_step.lower(train_state[0], batch).compile()
-            cost = exe.cost_analysis()
-            flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost or {}).get("flops", float("nan")))
+            costs = _costs(exe)
 
             def call(exe=exe):
                 train_state[0], metrics = exe(train_state[0], batch)
                 return train_state[0], metrics
         jax.block_until_ready(call())  # warm-up (and compile, for rollout)
-        cases[name] = {"call": call, "flops": flops, "compile_s": time.perf_counter() - t0, "cpu": [], "wall": []}
+        cases[name] = {"call": call, "flops": costs[0], "temp_mib": costs[1], "compile_s": time.perf_counter() - t0,
+                       "cpu": [], "wall": [], "faults": []}
 
     if args.trace:
         jax.profiler.start_trace(args.trace)
@@ -231,23 +245,27 @@ def main() -> None:
         for name in parts:
             case = cases[name]
             for _ in range(args.reps):
-                c0, w0 = _cpu(), time.perf_counter()
+                c0, w0, f0 = _cpu(), time.perf_counter(), _faults()
                 jax.block_until_ready(case["call"]())
                 case["cpu"].append(_cpu() - c0)
                 case["wall"].append(time.perf_counter() - w0)
+                case["faults"].append(_faults() - f0)
     if args.trace:
         jax.profiler.stop_trace()
         _print_op_table(args.trace, args.reps * args.rounds * len(parts))
 
     report = {"label": args.label, "load_avg": list(os.getloadavg()), "parts": {}}
-    print(f"{'part':8}{'cpu s':>9}{'wall s':>9}{'GFLOP':>9}{'GFLOP/cpu-s':>13}{'compile s':>11}")
+    print(f"{'part':8}{'cpu s':>9}{'wall s':>9}{'GFLOP':>9}{'GFLOP/cpu-s':>13}{'temp MiB':>10}"
+          f"{'faults/call':>13}{'compile s':>11}")
     for name in parts:
         case = cases[name]
         cpu, wall = statistics.median(case["cpu"]), statistics.median(case["wall"])
-        gflop = case["flops"] / 1e9
-        report["parts"][name] = {"cpu_s": cpu, "wall_s": wall, "gflop": gflop, "cpu_all": case["cpu"],
-                                 "wall_all": case["wall"], "compile_s": case["compile_s"]}
-        print(f"{name:8}{cpu:9.3f}{wall:9.3f}{gflop:9.2f}{gflop / cpu:13.1f}{case['compile_s']:11.1f}")
+        gflop, faults = case["flops"] / 1e9, statistics.median(case["faults"])
+        report["parts"][name] = {"cpu_s": cpu, "wall_s": wall, "gflop": gflop, "temp_mib": case["temp_mib"],
+                                 "page_faults": faults, "cpu_all": case["cpu"], "wall_all": case["wall"],
+                                 "compile_s": case["compile_s"]}
+        print(f"{name:8}{cpu:9.3f}{wall:9.3f}{gflop:9.2f}{gflop / cpu:13.1f}{case['temp_mib']:10.0f}"
+              f"{faults:13.0f}{case['compile_s']:11.1f}")
     print(f"load avg {os.getloadavg()[0]:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -118,8 +118,6 @@ def init_train_state(params: nnx.State, optimizer: Optimizer, seed: int | jax.Ar
 # ------------------------------------------------------------------------------------------------
 # Log-probs of completions
 
-_TRIM = True  # temporary A/B switch
-
 
 def completion_logprobs_and_entropy(
     graphdef: nnx.GraphDef,
@@ -139,12 +137,8 @@ def completion_logprobs_and_entropy(
     kv_mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)  # [B, P+N]
     # Slot i predicts token i+1, so completion token j is scored by slot P+j-1: only those N slots'
     # logits are computed (the last layer, norm and head skip the rest).
-    if _TRIM:
-        logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask,
-                            output_slots=(prompt_len - 1, prompt_len + new_len - 1))  # [B, N, V]
-    else:
-        logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask)
-        logits = logits[:, prompt_len - 1 : prompt_len + new_len - 1]
+    logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask,
+                        output_slots=(prompt_len - 1, prompt_len + new_len - 1))
     logits = logits / temperature  # [B, N, V]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     # Pads after EOS may hold any id; point them at 0 so the gather stays in range.

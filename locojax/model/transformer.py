@@ -28,9 +28,6 @@ Cache = list[LayerCache]
 
 _MASKED = -1e30  # finite so a fully masked row (a pad query) gives a uniform softmax, not NaN
 
-# Temporary A/B switches (profiling only).
-_OPT = dict(rope_barrier=True, fuse_qkv=True, fuse_mlp=True, swiglu_vjp=True)
-
 
 def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
@@ -52,11 +49,20 @@ class RMSNorm(nnx.Module):
         return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """sin, cos of the rotary angles: [B, T, Dh/2] each."""
+def rope_angles(positions: jax.Array, head_dim: int, theta: float,
+                num_positions: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """sin, cos of the rotary angles: [B, T, Dh/2] each.
+
+    With `num_positions`, every position must be below it: sin and cos are then tabulated once for
+    positions 0..num_positions-1 and gathered (same values). XLA:CPU otherwise fuses sin/cos into
+    every rotary application — q and k of every layer, forward and backward — and recomputes them
+    per element there."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.sin(angles), jnp.cos(angles)
+    if num_positions is None:
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq
+        return jnp.sin(angles), jnp.cos(angles)
+    angles = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq  # [num_positions, Dh/2]
+    return jnp.take(jnp.sin(angles), positions, axis=0), jnp.take(jnp.cos(angles), positions, axis=0)
 
 
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
@@ -74,24 +80,11 @@ def _project(x2: jax.Array, weight: jax.Array, dt) -> jax.Array:
     return x2 @ weight.astype(dt).reshape(weight.shape[0], -1)
 
 
-def _project_fused(x2: jax.Array, weights: list[jax.Array], dt) -> list[jax.Array]:
-    """Several projections of the same [N, D] rows as ONE matmul against the weights concatenated
-    along the output axis, split afterwards. Each output element is the same dot product as with
-    separate matmuls; on XLA:CPU one wide matmul (and, in the backward, one input-gradient matmul
-    instead of several plus adds) is faster. Used where rows are many (training, reference pass)."""
-    flat = [w.astype(dt).reshape(w.shape[0], -1) for w in weights]
-    out = x2 @ jnp.concatenate(flat, axis=1)
-    pieces, start = [], 0
-    for w in flat:
-        pieces.append(out[:, start:start + w.shape[1]])
-        start += w.shape[1]
-    return pieces
-
-
 @jax.custom_vjp
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up, whose backward keeps only gate and up and recomputes the sigmoid in one fused
-    pass (autodiff of silu saved the sigmoid and silu too: three more [N, F] arrays to write and read)."""
+    """silu(gate) * up. Its backward keeps only gate and up and recomputes the sigmoid inside one fused
+    pass; autodiff of silu kept extra [N, F] intermediates alive for the backward (the bench's train
+    step needed 9% more temporary memory, which XLA:CPU page-faults in afresh on every call)."""
     return jax.nn.silu(gate) * up
 
 
@@ -135,25 +128,17 @@ class Attention(nnx.Module):
         dt = _dtype(c.dtype)
         b, t = x.shape[:2]
         x2 = x.astype(dt).reshape(b * t, c.d_model)
-        if layer_cache is None and _OPT["fuse_qkv"]:
-            if query_slots is None:
-                q, k, v = _project_fused(x2, [self.q_proj[...], self.k_proj[...], self.v_proj[...]], dt)
-            else:
-                k, v = _project_fused(x2, [self.k_proj[...], self.v_proj[...]], dt)
+        k = _project(x2, self.k_proj[...], dt)
+        v = _project(x2, self.v_proj[...], dt)
+        if query_slots is None:
+            q = _project(x2, self.q_proj[...], dt)
+            sin_q, cos_q = sin, cos
         else:
-            k = _project(x2, self.k_proj[...], dt)
-            v = _project(x2, self.v_proj[...], dt)
-            if query_slots is None:
-                q = _project(x2, self.q_proj[...], dt)
-        if query_slots is not None:
             if layer_cache is not None:
                 raise ValueError("query_slots is for a full forward without a KV cache")
             start, stop = query_slots
-            xq = x[:, start:stop].astype(dt)
-            q = _project(xq.reshape(-1, c.d_model), self.q_proj[...], dt)
+            q = _project(x[:, start:stop].astype(dt).reshape(-1, c.d_model), self.q_proj[...], dt)
             sin_q, cos_q, mask = sin[:, start:stop], cos[:, start:stop], mask[:, start:stop]
-        else:
-            sin_q, cos_q = sin, cos
         tq = q.shape[0] // b
         q = q.reshape(b, tq, c.n_heads, c.head_dim)  # [B, Tq, H, Dh]
         k = k.reshape(b, t, c.n_kv_heads, c.head_dim)  # [B, T, K, Dh]
@@ -191,17 +176,13 @@ class MLP(nnx.Module):
         self.up_proj = _param(rngs, (c.d_model, c.d_ff), ("embed", "mlp"), c.d_model, c.param_dtype)
         self.down_proj = _param(rngs, (c.d_ff, c.d_model), ("mlp", "embed"), c.d_ff, c.param_dtype)
 
-    def __call__(self, x, fuse: bool = False):
+    def __call__(self, x):
         dt = _dtype(self.dtype)
         b, t, d = x.shape
         x2 = x.astype(dt).reshape(b * t, d)
-        if fuse and _OPT["fuse_mlp"]:
-            gate, up = _project_fused(x2, [self.gate_proj[...], self.up_proj[...]], dt)
-        else:
-            gate = x2 @ self.gate_proj[...].astype(dt)
-            up = x2 @ self.up_proj[...].astype(dt)
-        hidden = _swiglu(gate, up) if _OPT["swiglu_vjp"] else jax.nn.silu(gate) * up
-        return (hidden @ self.down_proj[...].astype(dt)).reshape(b, t, d)
+        gate = x2 @ self.gate_proj[...].astype(dt)
+        up = x2 @ self.up_proj[...].astype(dt)
+        return (_swiglu(gate, up) @ self.down_proj[...].astype(dt)).reshape(b, t, d)
 
 
 class DecoderLayer(nnx.Module):
@@ -218,7 +199,7 @@ class DecoderLayer(nnx.Module):
         if query_slots is not None:
             x = x[:, query_slots[0]:query_slots[1]]
         x = x + attended.astype(x.dtype)
-        x = x + self.mlp(self.post_attention_norm(x), fuse=layer_cache is None).astype(x.dtype)
+        x = x + self.mlp(self.post_attention_norm(x)).astype(x.dtype)
         return x, layer_cache
 
 
@@ -256,14 +237,12 @@ class Transformer(nnx.Module):
             start, stop = output_slots
             if cache is not None or not 0 <= start < stop <= t:
                 raise ValueError(f"output_slots {output_slots} needs a full forward (no cache) over {t} slots")
-        query_slots = cache_index + jnp.arange(t)
-        causal = jnp.arange(s)[None, :] <= query_slots[:, None]  # [T, S]
+        slots = cache_index + jnp.arange(t)  # cache slot of each query
+        causal = jnp.arange(s)[None, :] <= slots[:, None]  # [T, S]
         mask = kv_mask[:, None, :] & causal[None, :, :]  # [B, T, S]
-        sin, cos = rope_angles(positions, c.head_dim, c.rope_theta)
-        if _OPT["rope_barrier"]:
-            # Materialise the angles once: left alone, XLA:CPU fuses sin/cos into every rotary
-            # application (q and k, every layer, forward and backward) and recomputes them there.
-            sin, cos = jax.lax.optimization_barrier((sin, cos))
+        # Tabulated over max_seq_len positions for a full forward (many rotary applications share
+        # them); computed directly for a cached step, whose few positions need no table.
+        sin, cos = rope_angles(positions, c.head_dim, c.rope_theta, c.max_seq_len if cache is None else None)
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(c.dtype))  # [B, T, D]
         new_cache: Cache | None = [] if cache is not None else None

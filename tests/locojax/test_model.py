@@ -106,3 +106,49 @@ def test_bfloat16_compute_runs_and_returns_float32_logits():
     tokens, mask, positions = _left_padded_batch(config)
     logits, _ = jit_forward(graphdef, params, tokens, positions, mask)
     assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+
+
+def test_output_slots_give_the_full_forwards_logits_and_gradients_for_those_slots():
+    """The training path computes logits only for the completion's slots (the last layer, norm and
+    head skip the rest); values and parameter gradients must match slicing the full logits."""
+    config = get_preset("tiny")
+    graphdef, params = nnx.split(create_model(config, seed=2))
+    tokens, mask, positions = _left_padded_batch(config)
+    weights = jax.random.normal(jax.random.key(7), (tokens.shape[0], 6, config.vocab_size))
+
+    def loss(p, slots):
+        if slots is None:
+            logits = forward(graphdef, p, tokens, positions, mask)[0][:, 5:11]
+        else:
+            logits = forward(graphdef, p, tokens, positions, mask, output_slots=slots)[0]
+        return jnp.sum(weights * jax.nn.log_softmax(logits)), logits
+
+    (_, full), full_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, None), has_aux=True))(params)
+    (_, part), part_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, (5, 11)), has_aux=True))(params)
+    assert part.shape == (tokens.shape[0], 6, config.vocab_size)
+    np.testing.assert_allclose(np.asarray(part), np.asarray(full), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(part_grads), jax.tree.leaves(full_grads)):  # float32 rounding only
+        assert np.abs(np.asarray(a - b)).max() <= 1e-5 * max(1.0, float(np.abs(np.asarray(b)).max()))
+    with pytest.raises(ValueError, match="output_slots"):
+        forward(graphdef, params, tokens, positions, mask, init_cache(config, 3, 12), 0, (5, 11))
+
+
+def test_swiglu_gradient_equals_autodiff_of_silu_times_up():
+    from locojax.model.transformer import _swiglu
+
+    gate, up, cotangent = (jax.random.normal(jax.random.key(i), (16, 32)) * 4 for i in range(3))
+    ours = jax.vjp(_swiglu, gate, up)
+    plain = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
+    np.testing.assert_allclose(np.asarray(ours[0]), np.asarray(plain[0]), rtol=1e-6)
+    for a, b in zip(ours[1](cotangent), plain[1](cotangent)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_tabulated_rotary_angles_equal_the_direct_ones():
+    from locojax.model.transformer import rope_angles
+
+    positions = jnp.array([[0, 0, 1, 2, 300], [5, 6, 7, 8, 511]])
+    direct = rope_angles(positions, 16, 10_000.0)
+    table = rope_angles(positions, 16, 10_000.0, num_positions=512)
+    for a, b in zip(direct, table):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
