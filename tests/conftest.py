@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,28 +45,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="a PostgreSQL database URL whose server may create and drop test databases")
 
 
-@pytest.fixture(scope="session")
-def postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A new, migrated database (dropped afterwards); skips when no server answers."""
+def create_postgres_database(admin_url: str, prefix: str = "locojax_test") -> tuple[str, Callable[[], None]]:
+    """A new, migrated database on the server at `admin_url` and a function that drops it; skips the
+    requesting tests when no server answers."""
     from server.db import upgrade_to_head
 
-    admin_url = make_url(request.config.getoption("--postgres-url")).set(drivername="postgresql+psycopg")
-    name = f"locojax_test_{secrets.token_hex(4)}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    admin = make_url(admin_url).set(drivername="postgresql+psycopg")
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    engine = create_engine(admin, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
     try:
-        with admin.connect() as connection:
+        with engine.connect() as connection:
             connection.execute(text(f'CREATE DATABASE "{name}"'))
             # Durability of a throwaway database is worth nothing; skipping the fsync per commit makes
             # the PostgreSQL tests several times faster.
             connection.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
     except Exception as exc:  # no server here: the SQLite tests still run
-        admin.dispose()
-        pytest.skip(f"PostgreSQL not reachable at {admin_url.render_as_string(hide_password=True)}: {exc}")
-    url = admin_url.set(database=name).render_as_string(hide_password=False)
+        engine.dispose()
+        pytest.skip(f"PostgreSQL not reachable at {admin.render_as_string(hide_password=True)}: {exc}")
+
+    def drop() -> None:
+        with engine.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        engine.dispose()
+
+    url = admin.set(database=name).render_as_string(hide_password=False)
     try:
         upgrade_to_head(url)
+    except BaseException:
+        drop()
+        raise
+    return url, drop
+
+
+@pytest.fixture(scope="session")
+def postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A new, migrated database (dropped afterwards); skips when no server answers."""
+    url, drop = create_postgres_database(request.config.getoption("--postgres-url"))
+    try:
         yield url
     finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        drop()

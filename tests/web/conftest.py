@@ -9,7 +9,6 @@ under uvicorn on a free loopback port for the browser tests (PostgreSQL, as in p
 from __future__ import annotations
 
 import re
-import secrets
 import socket
 import threading
 import time
@@ -23,12 +22,12 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 from server.app import create_app
 from server.db import Database, upgrade_to_head
 from server.services import tokens as token_service
+from tests.conftest import create_postgres_database
 from tests.server.conftest import DEFAULT_PG_ADMIN_URL, TABLES, make_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,26 +36,8 @@ CSRF_INPUT = re.compile(r'name="csrf_token" value="([^"]+)"')
 
 
 def _create_postgres_database(admin_url: str) -> tuple[str, Callable[[], None]]:
-    """A fresh database on the local server and a function that drops it; skips when unreachable."""
-    admin_url = make_url(admin_url).set(drivername="postgresql+psycopg")
-    name = f"locojax_web_{secrets.token_hex(4)}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
-    try:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-            connection.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
-    except Exception as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL not reachable at {admin_url.render_as_string(hide_password=True)}: {exc}")
-
-    def drop() -> None:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    url = admin_url.set(database=name).render_as_string(hide_password=False)
-    upgrade_to_head(url)
-    return url, drop
+    # A database of their own, so the web tests' tokens and runs stay apart from the server tests'.
+    return create_postgres_database(admin_url, prefix="locojax_web")
 
 
 def _admin_url(config: pytest.Config) -> str:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
 import anyio
@@ -162,21 +162,21 @@ def _after_action(request: Request, session: SessionDep, run_id: RunId, error: A
                   header=run_page.header(run, run_page.latest(session, run_id)))
 
 
-@router.post("/runs/{run_id:int}/cancel")
-def cancel_run(request: Request, run_id: RunId, session: SessionDep, viewer: SubmitterDep) -> Response:
+def _run_action(request: Request, session: Any, run_id: int, action: Callable[..., Any], by: str) -> Response:
+    """Cancel or resume through the runs service; a refusal (e.g. 409) is shown in the header it re-renders."""
     try:
-        run_service.cancel(session, run_id, by=viewer.name)
+        action(session, run_id, by=by)
     except ApiError as exc:
         session.rollback()
         return _after_action(request, session, run_id, exc)
     return _after_action(request, session, run_id)
+
+
+@router.post("/runs/{run_id:int}/cancel")
+def cancel_run(request: Request, run_id: RunId, session: SessionDep, viewer: SubmitterDep) -> Response:
+    return _run_action(request, session, run_id, run_service.cancel, viewer.name)
 
 
 @router.post("/runs/{run_id:int}/resume")
 def resume_run(request: Request, run_id: RunId, session: SessionDep, viewer: SubmitterDep) -> Response:
-    try:
-        run_service.resume(session, run_id, by=viewer.name)
-    except ApiError as exc:
-        session.rollback()
-        return _after_action(request, session, run_id, exc)
-    return _after_action(request, session, run_id)
+    return _run_action(request, session, run_id, run_service.resume, viewer.name)
