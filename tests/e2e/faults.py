@@ -142,7 +142,10 @@ def kill_worker(stack: Stack, restart_after_s: float = 1.0) -> dict[str, Any]:
 
 def restart_redis(stack: Stack, down_s: float = 4.0) -> dict[str, Any]:
     with stack.client() as api:
-        training = api.submit(tiny_spec("rel-redis-a", hosts=1, steps=120, every=20))
+        # At least 100 ms a step: still training when the broker comes back, however fast the machine.
+        training = api.submit(tiny_spec("rel-redis-a", hosts=1, steps=200, every=50,
+                                        task={"name": "arith", "difficulty": 1, "reward": [
+                                            "gsm8k", "tests.locojax.rewards_for_tests:sleep_100ms_per_tiny_step"]}))
         try:
             wait_training(api, training["id"], step=3)
             stack.redis.kill()

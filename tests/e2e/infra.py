@@ -31,6 +31,7 @@ from tests.e2e.helpers import alive, wait_until
 # Tables whose row counts the bad-input and security scenarios compare before and after.
 TABLES = ("runs", "run_events", "run_hosts", "step_metrics", "hosts", "placement_decisions", "api_tokens")
 WORKERS = 3
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Unavailable(Exception):
@@ -154,7 +155,9 @@ def engine_environment(work: Path) -> dict[str, str]:
     """What the workers pass on to their engine processes: one persistent JAX compilation cache for the
     session, so every run and restart after the first skips compiling the tiny model again (seconds
     each on a shared machine). The control plane under test is the same with or without it."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            # so that engine processes can import the test reward functions (tests.locojax.rewards_for_tests)
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))}
 
 
 @dataclass

@@ -20,3 +20,11 @@ def sleep_50ms_per_batch(completion: str, example) -> float:
     with _sleep_lock:
         time.sleep(SLEEP_PER_BATCH_S / BATCH)
     return 0.0
+
+
+def sleep_100ms_per_tiny_step(completion: str, example) -> float:
+    """Holds a step of tests.e2e.helpers.tiny_spec (8 completions) for at least 100 ms, so a scenario
+    that needs a run still training some seconds later does not depend on how fast this machine is."""
+    with _sleep_lock:
+        time.sleep(0.1 / 8)
+    return 0.0
