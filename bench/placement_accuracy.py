@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -210,8 +211,13 @@ def main() -> None:
     if args.from_raw:
         raw = json.loads(args.from_raw.read_text(encoding="utf-8"))
         probe, runs, probe_s = raw["probe"], raw["runs"], raw["probe_s"]
-        from locojax.placement.probe import span_contention
+        from locojax.placement.probe import kernel_uncontended_s, profile_from_measurements, span_contention
 
+        for layout in ("pinned", "controller"):  # re-derive with the current code
+            for kernel in probe["measurements"].get(f"kernels_{layout}", []):
+                if kernel.get("reps"):
+                    kernel["s"] = statistics.median(kernel_uncontended_s(rep) for rep in kernel["reps"])
+        probe["profile"] = profile_from_measurements(probe["measurements"], raw["cores"])
         for run in runs:
             if run.get("schedstat"):
                 run["device_time_scale"] = span_contention(run["schedstat"])
@@ -268,13 +274,33 @@ def main() -> None:
                 "match": {name: order == measured_order for name, order in orders.items()},
                 "measured_step_s": {r["mode"]: r["measured_step_s"] for r in mine}}
 
+    # Every pair of modes: is the predicted faster one the measured faster one, and by how much do they
+    # differ? (An order among modes a few % apart is decided by noise: see round_to_round_spread.)
+    pairs = []
+    for key in ranking:
+        round_index, workload = int(key.split("/")[0][5:]), key.split("/")[1]
+        mine = {r["mode"]: r for r in results if r["round"] == round_index and r["workload"] == workload}
+        modes = list(mine)
+        for i, first in enumerate(modes):
+            for second in modes[i + 1:]:
+                measured_ratio = mine[first]["measured_step_s"] / mine[second]["measured_step_s"]
+                predicted_ratio = mine[first][headline]["step_s"] / mine[second][headline]["step_s"]
+                pairs.append({"round": round_index, "workload": workload, "pair": f"{first}/{second}",
+                              "measured_ratio": measured_ratio, "predicted_ratio": predicted_ratio,
+                              "agree": (measured_ratio < 1) == (predicted_ratio < 1)})
+
     # Noise floor: how far the same run's median moves between rounds.
-    spread = {}
+    # And of the median over the run's contention: what is left once the measured contention is
+    # accounted for, the floor of the `probe` comparison.
+    spread, normalized_spread = {}, {}
     for workload in args.workloads:
         for mode in ("co", "sc", "da"):
-            medians = [r["measured_step_s"] for r in results if r["workload"] == workload and r["mode"] == mode]
-            if len(medians) > 1:
+            mine = [r for r in results if r["workload"] == workload and r["mode"] == mode]
+            if len(mine) > 1:
+                medians = [r["measured_step_s"] for r in mine]
                 spread[f"{workload}/{mode}"] = (max(medians) - min(medians)) / statistics.mean(medians)
+                normalized = [r["measured_step_s"] / r["contention"] for r in mine]
+                normalized_spread[f"{workload}/{mode}"] = (max(normalized) - min(normalized)) / statistics.mean(normalized)
 
     summary = {name: {"max_rel_error": max(r[name]["rel_error"] for r in results),
                       "mean_rel_error": statistics.mean(r[name]["rel_error"] for r in results),
@@ -289,8 +315,10 @@ def main() -> None:
         "within_target": max_rel_error <= TARGET_REL_ERROR and all(v["match"][headline] for v in ranking.values()),
         "summary": summary,
         "round_to_round_spread": spread,
+        "round_to_round_spread_per_contention": normalized_spread,
         "runs": results,
         "ranking": ranking,
+        "pairwise_order": pairs,
         "calibration": scored["calibration"],
         "probe": probe,
         "bench_s": raw.get("bench_s") if args.from_raw else time.perf_counter() - started,
@@ -311,9 +339,14 @@ def main() -> None:
         print(f"{name:<16}max_rel_error={summary[name]['max_rel_error']:.3f} "
               f"mean={summary[name]['mean_rel_error']:.3f} rankings {summary[name]['rankings_matched']}/"
               f"{summary[name]['rankings']}")
+    for gap in (0.10, 0.20):
+        clear = [p for p in pairs if abs(math.log(p["measured_ratio"])) > math.log(1 + gap)]
+        print(f"mode pairs measured more than {gap:.0%} apart: {sum(p['agree'] for p in clear)}/{len(clear)} "
+              f"ordered as measured ({headline}); all pairs: {sum(p['agree'] for p in pairs)}/{len(pairs)}")
     if spread:
         print("round-to-round spread of measured medians: "
               + ", ".join(f"{k} {v:.0%}" for k, v in spread.items()))
+        print("  ... of measured median / contention: " + ", ".join(f"{k} {v:.0%}" for k, v in normalized_spread.items()))
     print(f"bench took {output['bench_s']:.0f} s; headline: {headline}")
     print(f"max_rel_error={max_rel_error:.3f}")
 

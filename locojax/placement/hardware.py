@@ -270,42 +270,57 @@ _add(HardwareProfile(
 ))
 
 # The local CPU: a "chip" is one JAX CPU device, a "host" is one process (DESIGN.md section 2), and
-# every process shares this machine's cores. Defaults are for a 2-core machine of the kind in
-# PITFALLS.md; `locojax probe` measures the real values and writes them to a JSON file that
-# `load_local_cpu_profile` reads.
+# every process shares this machine's cores. `locojax probe` measures the real values and writes them
+# to a JSON file that `load_local_cpu_profile` reads. The defaults below are one such probe of the
+# 2-core development machine (AMD EPYC, KVM; bench/results/placement_accuracy.json, 2026-11-30): rates
+# of the engine's own kernels at the `tiny` preset's width, stated for cores free of other work.
+# Other widths take these rates too until a probe measures theirs (`locojax probe` times tiny and small).
+_PROBED_2_CORE = "locojax probe on the 2-core development machine, 2026-11-30 (bench/placement_accuracy.py)"
 LOCAL_CPU = HardwareProfile(
     name="local-cpu", description="this machine's CPU cores; one process per simulated host",
-    # PITFALLS.md: an in-graph while_loop decoder at d_model 256, 4 layers, batch 64 ran ~5,000
-    # tokens/s, i.e. ~12.8 ms per step of ~0.55 GFLOP: ~43 GFLOP/s at the shapes the engine runs here
-    # (a large float32 matmul peaks at ~210 GFLOP/s on 2 cores, but the model's matmuls are small).
-    peak_flops=43e9,
+    # The engine's train step at d_model 64 runs its matmuls at ~215 GFLOP/s per core (2 cores busy),
+    # about the rate of a large float32 matmul here (~245 GFLOP/s for 2 cores in one process); attention
+    # (masked softmax over dense caches, head_dim 16) at ~1/10 of that; prefill at ~0.6 of it.
+    peak_flops=429e9,
+    train_mfu=1.0,
+    decode_mfu=1.0,
+    prefill_mfu=0.62,
+    train_attention_efficiency=0.095,
+    decode_attention_efficiency=0.11,
+    decode_row_overhead_s=8.3e-6,  # per sequence per decode step: sampling over the 384-token vocabulary
+    decode_step_overhead_s=34e-6,
+    train_step_overhead_s=13.6e-3,
+    rates_include_memory=True,
+    # SC's controller: one process driving both cores' devices (rates per device, same convention).
+    controller_rates={"64": {"peak_flops": 615e9, "train_mfu": 1.0, "decode_mfu": 1.0, "prefill_mfu": 0.70,
+                             "train_attention_efficiency": 0.049, "decode_attention_efficiency": 1.0,
+                             "decode_row_overhead_s": 10.3e-6, "decode_step_overhead_s": 56e-6,
+                             "train_step_overhead_s": 0.0}},
     hbm_bytes=4 * GB,  # assumption: what a test run may use of the machine's RAM
-    hbm_bandwidth=10 * GB,  # assumption: two cores streaming from DRAM; the probe measures it
-    ici_bandwidth=10 * GB,  # devices of one process exchange through shared memory
+    hbm_bandwidth=5.5 * GB,  # probe: a streaming x * 2 over 64 MB
+    ici_bandwidth=5.5 * GB,  # devices of one process exchange through shared memory
     ici_domain_chips=1,  # assumption: one device per process; across processes is loopback "DCN"
-    dcn_bandwidth_per_chip=1 * GB,  # assumption: gloo over loopback TCP; the probe measures it
+    dcn_bandwidth_per_chip=1.1 * GB,  # probe: 2-process all-reduce over loopback (gloo), 16 MB
     chips_per_host=1,
-    train_mfu=0.9,  # assumption: training reaches about the decode's effective rate; the probe measures it
     ici_latency_s=10e-6,
-    dcn_latency_s=0.5e-3,  # PITFALLS.md: a small all-reduce across 2 processes costs ~0.5-2 ms (2 hops)
-    pcie_bandwidth=10 * GB,  # host memory is device memory on CPU: a copy at memory speed
-    dispatch_s=50e-6,  # PITFALLS.md: jax.jit over split state ~5 us to dispatch, plus the blocking fetch
+    dcn_latency_s=1.1e-3,  # probe: a 1 KB all-reduce across 2 processes, ~2.1 ms (2 hops)
+    pcie_bandwidth=5.5 * GB,  # host memory is device memory on CPU: a copy at memory speed
+    dispatch_s=3.5e-6,  # probe: a trivial jitted call, dispatched and waited on
     # locojax.modes.sc: one process owns every simulated host's devices and dispatches each host's
     # computation in turn from one Python thread, so a round trip is a local dispatch per host.
     controller_round_trip_s=50e-6,  # assumption
     controller_round_trip_per_host_s=50e-6,  # assumption
-    ray_call_s=1e-3,
+    reward_cpu_scale=0.10,  # probe: the `#### N` parse takes ~0.34 us here vs REFERENCE_REGEX_PARSE_S
+    ray_call_s=1e-3,  # assumption (not probed): one Ray actor round trip on this machine
     bytes_per_value=4,  # the CPU engine computes in float32 (ModelConfig default)
     train_flops_per_param_token=6.0,  # locojax.train: no remat; old log-probs come from the rollout
     mfu_reference_width=None,  # the probe measures the rates at the sizes the CPU runs
-    decode_step_overhead_s=1e-3,  # assumption; the probe measures it (tiny vs small preset)
-    train_step_overhead_s=30e-3,  # assumption; the probe measures it
     decode_tokens_per_dispatch=None,  # LoCoJAX's rollout is one lax.while_loop per rollout (DESIGN.md)
     decode_attention="dense",  # locojax.rollout attends all prompt + max_new_tokens cache slots
     shared_machine=True,
-    sources={"peak_flops": "PITFALLS.md (decoder tokens/s on 2 cores)",
-             "dcn_latency_s": "PITFALLS.md (2-process all-reduce)",
-             "dispatch_s": "PITFALLS.md (jax.jit dispatch)", "other": "assumptions until `locojax probe` runs"},
+    sources={"rates": _PROBED_2_CORE, "bandwidths": _PROBED_2_CORE, "dcn": _PROBED_2_CORE,
+             "dispatch_s": _PROBED_2_CORE, "reward_cpu_scale": _PROBED_2_CORE,
+             "other": "assumptions, marked inline"},
 )
 _add(LOCAL_CPU)
 

@@ -129,7 +129,6 @@ def kernel_list(presets: tuple[str, ...] = PROBE_PRESETS) -> list[dict[str, Any]
 def _build_kernels(kernels: list[dict[str, Any]], devices: int) -> list[Callable[[], Any]]:
     """One zero-argument callable per kernel that runs it once and blocks until it is done."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -180,12 +179,11 @@ def _build_kernels(kernels: list[dict[str, Any]], devices: int) -> list[Callable
                 jax.block_until_ready(holder["state"])
         run()  # compile
         runs.append(run)
-    del jnp
     return runs
 
 
 def kernel_worker(devices: int, kernels: list[dict[str, Any]], cache_dir: str | None = None) -> None:
-    """Serve kernel timings on stdin/stdout: `{"run": i}` -> `{"t": seconds}`; EOF or `{"quit": 1}` ends."""
+    """Serve kernel timings on stdin/stdout: `{"run": i}` -> `{"t": seconds, "contention": x}`; EOF ends."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -270,10 +268,11 @@ STEP_PROCESS_MIN_RUNNABLE = 0.75
 
 
 def work_totals(before: dict[tuple[int, int], tuple[int, int]], after: dict[tuple[int, int], tuple[int, int]],
-                elapsed_s: float) -> dict[str, Any]:
+                elapsed_s: float, cores: dict[int, int] | None = None) -> dict[str, Any]:
     """Run and wait seconds between two `_thread_schedstats` snapshots of the threads that carried the
     span (see above; a thread missing from `before` started in it), per process:
-    {"elapsed_s", "processes": [{"pid", "cpu_s", "wait_s", "cores"}], "work_processes"}."""
+    {"elapsed_s", "processes": [{"pid", "cpu_s", "wait_s", "cores"}], "work_processes"}; `cores`: the
+    cores each process may run on, where known (else read now)."""
     per_process: dict[int, list[float]] = {}
     for (pid, tid), (run_ns, wait_ns) in after.items():
         run0, wait0 = before.get((pid, tid), (0, 0))
@@ -284,7 +283,8 @@ def work_totals(before: dict[tuple[int, int], tuple[int, int]], after: dict[tupl
             totals[1] += d_wait
     step = {pid: t for pid, t in per_process.items() if t[0] + t[1] >= STEP_PROCESS_MIN_RUNNABLE * elapsed_s}
     if step:
-        processes = [{"pid": pid, "cpu_s": t[0], "wait_s": t[1], "cores": _cores_of(pid)} for pid, t in step.items()]
+        processes = [{"pid": pid, "cpu_s": t[0], "wait_s": t[1], "cores": (cores or {}).get(pid) or _cores_of(pid)}
+                     for pid, t in step.items()]
     else:  # no process carried the span: all work threads together
         processes = [{"pid": None, "cpu_s": sum(t[0] for t in per_process.values()),
                       "wait_s": sum(t[1] for t in per_process.values()), "cores": len(os.sched_getaffinity(0))}]
@@ -315,11 +315,18 @@ class ContentionMeter:
         self.root = root or os.getpid()
         self.interval_s = interval_s
         self.snapshots: list[tuple[float, dict[tuple[int, int], tuple[int, int]]]] = []
+        self.cores: dict[int, int] = {}  # pid -> cores it may run on, as last seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="contention-meter", daemon=True)
 
     def _sample(self) -> None:
-        self.snapshots.append((time.monotonic(), _thread_schedstats(_descendants(self.root))))
+        pids = _descendants(self.root)
+        for pid in pids:  # processes may pin themselves after they start (DA's actors do)
+            try:
+                self.cores[pid] = len(os.sched_getaffinity(pid))
+            except OSError:
+                pass
+        self.snapshots.append((time.monotonic(), _thread_schedstats(pids)))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -336,18 +343,23 @@ class ContentionMeter:
         self._sample()
 
     def window(self, start: float, end: float) -> dict[str, Any]:
-        """`work_totals` between the snapshots nearest at or before two `time.monotonic()` instants
-        (call it while the processes still run: their core counts are read now)."""
+        """`work_totals` between the snapshots nearest at or before two `time.monotonic()` instants."""
         def at(t: float) -> tuple[float, dict]:
             before = [snapshot for snapshot in self.snapshots if snapshot[0] <= t]
             return before[-1] if before else self.snapshots[0]
 
         (t0, first), (t1, last) = at(start), at(end)
-        return work_totals(first, last, t1 - t0)
+        return work_totals(first, last, t1 - t0, self.cores)
 
     def contention(self, start: float, end: float) -> float:
         """How much other work slowed the tree between two instants (see the section comment)."""
         return span_contention(self.window(start, end))
+
+
+def kernel_uncontended_s(replies: list[tuple[float, float]]) -> float:
+    """One repeat of a kernel on cores free of other work, from each worker's (seconds, contention):
+    the workers run independently, so it is done when the slowest is."""
+    return max(t / c for t, c in replies)
 
 
 class KernelProbe:
@@ -398,19 +410,20 @@ class KernelProbe:
     def index(self, preset: str, kind: str, shape: tuple[int, int, int]) -> int:
         return self.kernels.index({"preset": preset, "kind": kind, "shape": list(shape)})
 
-    def time(self, index: int, repeats: int = KERNEL_REPEATS) -> dict[str, float]:
-        """Kernel `index` run by every worker at once, `repeats` times: the medians over repeats of the
-        slowest worker's time on cores free of other work (`s`: its wall time over its `contention`) and
-        of its wall time (`wall_s`)."""
-        uncontended, wall = [], []
+    def time(self, index: int, repeats: int = KERNEL_REPEATS) -> dict[str, Any]:
+        """Kernel `index` run by every worker at once, `repeats` times: the medians over repeats of its
+        time on cores free of other work (`s`: the slowest worker's wall time over its own contention)
+        and of its wall time (`wall_s`), and every worker's (seconds, contention) per repeat (`reps`)."""
+        uncontended, wall, reps = [], [], []
         for _ in range(repeats):
             for worker in self.workers:
                 worker.stdin.write(json.dumps({"run": index}) + "\n")
                 worker.stdin.flush()
             replies = [self._read(worker) for worker in self.workers]
-            uncontended.append(max(r["t"] / r["contention"] for r in replies))
+            reps.append([(r["t"], r["contention"]) for r in replies])
+            uncontended.append(kernel_uncontended_s(reps[-1]))
             wall.append(max(r["t"] for r in replies))
-        return {"s": statistics.median(uncontended), "wall_s": statistics.median(wall)}
+        return {"s": statistics.median(uncontended), "wall_s": statistics.median(wall), "reps": reps}
 
     def measure_all(self, repeats: int = KERNEL_REPEATS) -> list[dict[str, Any]]:
         return [{**kernel, **self.time(i, repeats)} for i, kernel in enumerate(self.kernels)]
@@ -481,13 +494,18 @@ def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: 
         p, d, row_s, step_s = solve(rows, targets)
         rate = 1.0 / a if a > 0 else matmul_flops / cores  # per device, while all cores are busy
         peak = max(matmul_flops, rate * cores, cores / p if p > 0 else 0.0)
+
+        def efficiency(seconds_per_flop: float) -> float:
+            """Attention's rate relative to the matmul rate, in [1e-3, 1] (1 when the fit found no cost)."""
+            return min(1.0, max(1e-3, 1.0 / seconds_per_flop / rate)) if seconds_per_flop > 0 else 1.0
+
         out[str(model.d_model)] = {
             "peak_flops": peak,
             "train_mfu": rate * cores / peak,
             "decode_mfu": rate * cores / peak,  # decode's matmuls at training's rate; the rest is row overhead
             "prefill_mfu": cores / p / peak if p > 0 else rate * cores / peak,
-            "train_attention_efficiency": min(1.0, a / b) if b > 0 else 1.0,
-            "decode_attention_efficiency": min(1.0, a / d) if d > 0 else 1.0,
+            "train_attention_efficiency": efficiency(b),
+            "decode_attention_efficiency": efficiency(d),
             "decode_row_overhead_s": row_s,
             "decode_step_overhead_s": step_s,
             "train_step_overhead_s": train_fixed,
@@ -608,6 +626,21 @@ def run_probe(quick: bool = False, all_reduce: bool = True, presets: tuple[str, 
                 measurements["kernels_controller"] = sc_probe.measure_all(repeats)
     finally:
         cache.cleanup()
+    if all_reduce:
+        timings = measure_all_reduce(iterations=5 if quick else 20)
+        measurements["all_reduce_small_s"] = timings["small_s"]
+        measurements["all_reduce_large_s"] = timings["large_s"]
+    profile = profile_from_measurements(measurements, cores)
+    return {
+        "profile": profile,
+        "measurements": measurements,
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+    }
+
+
+def profile_from_measurements(measurements: dict[str, Any], cores: int) -> dict[str, Any]:
+    """The `local-cpu` profile fields (with their sources) from `run_probe`'s measurements."""
     measured_rates = fit_kernel_rates(measurements["kernels_pinned"], measurements["matmul_flops"], cores)
     controller_rates: dict[str, dict[str, float]] = {}
     if "kernels_controller" in measurements:
@@ -624,23 +657,16 @@ def run_probe(quick: bool = False, all_reduce: bool = True, presets: tuple[str, 
         "dispatch_s": measurements["dispatch_s"],
         "reward_cpu_scale": measurements["regex_parse_s"] / REFERENCE_REGEX_PARSE_S,
     }
-    if all_reduce:
-        timings = measure_all_reduce(iterations=5 if quick else 20)
-        measurements["all_reduce_small_s"] = timings["small_s"]
-        measurements["all_reduce_large_s"] = timings["large_s"]
+    if "all_reduce_small_s" in measurements:
+        small, large = measurements["all_reduce_small_s"], measurements["all_reduce_large_s"]
         # The cost model charges a 2-process ring all-reduce 2 latencies plus S bytes through a NIC.
-        profile["dcn_latency_s"] = timings["small_s"] / 2
-        extra = max(timings["large_s"] - timings["small_s"], 1e-9)
-        profile["dcn_bandwidth_per_chip"] = (LARGE_ALL_REDUCE_BYTES - SMALL_ALL_REDUCE_BYTES) / extra
+        profile["dcn_latency_s"] = small / 2
+        profile["dcn_bandwidth_per_chip"] = (LARGE_ALL_REDUCE_BYTES - SMALL_ALL_REDUCE_BYTES) / max(large - small, 1e-9)
     sources = {field: "locojax probe" for field in profile}
-    sources["rates"] = ("locojax probe: the engine's train step and rollout of presets " + ", ".join(presets)
-                        + " timed on every core at once, fitted per model width")
-    return {
-        "profile": {**profile, "sources": sources},
-        "measurements": measurements,
-        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-    }
+    presets = ", ".join(dict.fromkeys(k["preset"] for k in measurements["kernels_pinned"]))
+    sources["rates"] = (f"locojax probe: the engine's train step and rollout of {presets} timed on every core at "
+                        "once, on cores free of other work (schedstat), fitted per model width")
+    return {**profile, "sources": sources}
 
 
 def write_probe(result: dict[str, Any], path: str | Path) -> Path:
