@@ -9,8 +9,9 @@ Workloads:
                    generations: many samples, little device work per sample
     rollout_heavy  long generations: decode dominates the step
 
-For each: median step time over the steady-state steps and the device/host/network split, plus the
-ratios co_vs_sc (SC step / CO step) and da_vs_co (CO step / DA step; > 1 means DA is faster).
+For each: median step time over the steady-state steps (all but the two compiling steps and the last
+one, which saves the final checkpoint), the median of that over `--rounds` runs, and the
+device/host/network split, plus the ratios co_vs_sc (SC step / CO step) and da_vs_co (CO step / DA step; > 1 means DA is faster).
 Writes bench/results/coordination.json; the last line printed is `co_vs_sc_host_heavy=<x>`.
 """
 
@@ -85,7 +86,9 @@ def run_mode(workdir: Path, workload: str, mode: str, steps: int, data: Path, ke
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in rows if r["host"] == "all" and r["step"] >= 2]  # steps 0-1 compile
+    # Steps 0-1 compile; the last step also saves the run's final checkpoint (0.5-0.8 s here), which
+    # is not a steady-state step either.
+    steady = [r for r in rows if r["host"] == "all" and 2 <= r["step"] < steps - 1]
     summary = {key: statistics.median(r.get(key, 0.0) for r in steady) for key in SPLIT_KEYS}
     summary["median_step_s"] = summary["time/step"]
     summary["steps_measured"] = len(steady)
@@ -99,21 +102,41 @@ def run_mode(workdir: Path, workload: str, mode: str, steps: int, data: Path, ke
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of every (workload, mode), in alternating mode order; medians are over rounds")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
-    results: dict = {"machine": {"cores": 2}, "steps": args.steps, "workloads": {}}
+    results: dict = {"machine": {"cores": 2}, "steps": args.steps, "rounds": args.rounds, "workloads": {}}
+    runs: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        data = workdir / "gsm8k_like.jsonl"
+        data = Path(tmp) / "gsm8k_like.jsonl"
         write_gsm8k_like(data)
-        for workload in args.workloads:
-            modes = {mode: run_mode(workdir, workload, mode, args.steps, data) for mode in MODES}
-            results["workloads"][workload] = {
-                "modes": modes,
-                "co_vs_sc": modes["sc"]["median_step_s"] / modes["co"]["median_step_s"],
-                "da_vs_co": modes["co"]["median_step_s"] / modes["da"]["median_step_s"],
-            }
+        for round_index in range(args.rounds):
+            # The same run moves by up to ~20% between runs on this machine: alternate the order so that
+            # no mode always runs first (or right after the heaviest one).
+            order = list(MODES) if round_index % 2 == 0 else list(reversed(MODES))
+            for workload in args.workloads:
+                workdir = Path(tmp) / f"round{round_index}"
+                workdir.mkdir(exist_ok=True)
+                for mode in order:
+                    runs.setdefault((workload, mode), []).append(run_mode(workdir, workload, mode, args.steps, data))
+    for workload in args.workloads:
+        modes = {}
+        for mode in MODES:
+            mine = runs[(workload, mode)]
+            modes[mode] = {**{key: statistics.median(r[key] for r in mine) for key in SPLIT_KEYS},
+                           "settings": mine[0]["settings"],
+                           "rounds": [{key: r[key] for key in ("median_step_s", "steps_measured", "wall_s")}
+                                      for r in mine]}
+            modes[mode]["median_step_s"] = modes[mode]["time/step"]
+        results["workloads"][workload] = {
+            "modes": modes,
+            "co_vs_sc": modes["sc"]["median_step_s"] / modes["co"]["median_step_s"],
+            "da_vs_co": modes["co"]["median_step_s"] / modes["da"]["median_step_s"],
+            "co_vs_sc_per_round": [sc["median_step_s"] / co["median_step_s"]
+                                   for co, sc in zip(modes["co"]["rounds"], modes["sc"]["rounds"])],
+        }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(f"{'workload':<14}{'mode':<5}{'step s':>8}{'device':>8}{'host':>8}{'network':>9}")
@@ -121,7 +144,8 @@ def main() -> None:
         for mode, s in entry["modes"].items():
             print(f"{workload:<14}{mode:<5}{s['time/step']:>8.3f}{s['time/device']:>8.3f}{s['time/host']:>8.3f}"
                   f"{s['time/network']:>9.3f}")
-        print(f"{workload:<14}co_vs_sc={entry['co_vs_sc']:.2f} da_vs_co={entry['da_vs_co']:.2f}")
+        print(f"{workload:<14}co_vs_sc={entry['co_vs_sc']:.2f} da_vs_co={entry['da_vs_co']:.2f} (co_vs_sc by round: "
+              + ", ".join(f"{x:.2f}" for x in entry["co_vs_sc_per_round"]) + ")")
     host_heavy = results["workloads"].get("host_heavy")
     if host_heavy:
         print(f"co_vs_sc_host_heavy={host_heavy['co_vs_sc']:.2f}")

@@ -288,6 +288,18 @@ def test_summarize_skips_compile_and_prefers_aggregated_rows():
         summarize([{"step": 0, "host": "all"}, {"step": 1, "host": "all"}])
 
 
+def test_summarize_takes_checkpoint_saves_out_of_step_and_host_time():
+    # The last step of every run saves the final checkpoint; the cost model predicts steps without saves.
+    records = [{"step": s, "host": "all", "time/step": 1.0, "time/host": 0.1, "time/device": 0.9,
+                "time/checkpoint": 0.0} for s in range(1, 4)]
+    records.append({"step": 4, "host": "all", "time/step": 1.7, "time/host": 0.8, "time/device": 0.9,
+                    "time/checkpoint": 0.7})
+    summary = summarize(records, skip_steps=2)  # steps 3 and 4: without the subtraction the median is 1.35
+    assert summary.steps == 2
+    assert summary.step_s == pytest.approx(1.0) and summary.host_s == pytest.approx(0.1)
+    assert summary.device_s == pytest.approx(0.9)
+
+
 # --- CLI and sweep ---------------------------------------------------------------------------------
 
 
