@@ -125,7 +125,7 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     import tempfile
 
     from locojax.launch import LaunchError, launch
-    from locojax.modes.co import output_dir
+    from locojax.modes.run_files import output_dir
     from locojax.spec import dump_spec
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:

@@ -38,7 +38,7 @@ EXPORT_DIR = "model"
 
 def export_dir(spec: RunSpec) -> Path:
     """Where an SFT run writes the HF directory a GRPO spec's `model.checkpoint` can name."""
-    from locojax.modes.co import output_dir
+    from locojax.modes.run_files import output_dir
 
     return output_dir(spec) / EXPORT_DIR
 
@@ -72,7 +72,7 @@ def run_sft(
 ):
     """Run (or resume) an SFT run in this process; exports `<output_dir>/model` when it completes."""
     from locojax.model.hf import save_hf_checkpoint
-    from locojax.modes.co import HostStatus, RunResult, cancel_requested, finish, make_logger, start_output
+    from locojax.modes.run_files import HostStatus, RunResult, cancel_requested, finish, make_logger, start_output
     from locojax.modes.common import prepare_trainer
 
     if spec.kind != "sft":

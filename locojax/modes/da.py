@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from locojax import metrics as m
-from locojax.modes.co import RunResult, cancel_requested, finish, make_logger, start_output
+from locojax.modes.run_files import RunResult, cancel_requested, finish, make_logger, start_output
 from locojax.spec import RunSpec
 
 STALENESS_KEY = m.DA_STALENESS

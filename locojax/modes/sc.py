@@ -20,14 +20,7 @@ import jax
 import numpy as np
 
 from locojax import metrics as m
-from locojax.modes.co import (
-    CHECKSUM_KEY,
-    RunResult,
-    cancel_requested,
-    finish,
-    make_logger,
-    start_output,
-)
+from locojax.modes.co import CHECKSUM_KEY
 from locojax.modes.common import (
     HostRollout,
     RolloutRunner,
@@ -38,6 +31,7 @@ from locojax.modes.common import (
     to_local,
     train_temperature,
 )
+from locojax.modes.run_files import RunResult, cancel_requested, finish, make_logger, start_output
 from locojax.rollout import RolloutResult, rollout_key
 from locojax.spec import RunSpec
 from locojax.train import make_logprobs_fn
