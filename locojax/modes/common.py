@@ -219,9 +219,10 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
             state = restored[0]
             start_step = int(jax.device_get(state.step))
     if sft:
-        train_step = make_sft_step(policy.graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size)
+        train_step = make_sft_step(policy.graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size, mesh=mesh)
     else:
-        train_step = make_train_step(policy.graphdef, optimizer, spec.algo, temperature=train_temperature(spec))
+        train_step = make_train_step(policy.graphdef, optimizer, spec.algo, temperature=train_temperature(spec),
+                                     mesh=mesh)
     return Trainer(policy, make_task(spec.task), mesh, state, train_step, checkpoints, start_step, reference_params)
 
 

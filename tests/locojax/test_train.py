@@ -5,6 +5,7 @@ Compiles are the cost here (seconds each on a shared 2-core machine), so jitted 
 per module and reused."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +133,17 @@ def test_train_step_runs_reports_and_donates():
     assert metrics[m.POLICY_GRAD_NORM] > 0.0 and metrics[m.OPTIM_LR] == pytest.approx(0.5)
 
 
-def test_micro_batches_on_a_sharded_mesh_equal_the_full_batch():
-    """4 micro-batches over a batch sharded on 4 devices give the full-batch update (float32)."""
+def gradient_all_reduces(compiled_text: str) -> list[str]:
+    """The all-reduce instructions of a compiled step that carry more than a few scalars."""
+    lines = [line for line in compiled_text.splitlines() if re.search(r"= .*\ball-reduce(-start)?\(", line)]
+    return [line for line in lines if not re.match(r"\s*%\S+ = \(?f32\[\](, f32\[\])*\)? all-reduce", line)]
+
+
+# packed: the step is given the mesh, reduces gradients as one buffer (2 rows of each micro-batch per
+# device); jit: no mesh, jax.jit places the collectives (micro-batches of 2 rows over 4 devices).
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "jit"])
+def test_micro_batches_on_a_sharded_mesh_equal_the_full_batch(packed):
+    """Micro-batches over a batch sharded on 4 devices give the full-batch update (float32)."""
     graphdef, _ = tiny_model()
     full_state, full_metrics = full_batch_sgd_step()(init_train_state(fresh_params(), sgd(0.5)), batch())
 
@@ -141,8 +151,14 @@ def test_micro_batches_on_a_sharded_mesh_equal_the_full_batch():
     replicated, by_row = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
     state = jax.device_put(init_train_state(fresh_params(), sgd(0.5)), replicated)
     sharded_batch = jax.device_put(batch(), by_row)
-    step = make_train_step(graphdef, sgd(0.5), ALGO.model_copy(update={"micro_batch_size": B // 4}),
-                           temperature=TEMPERATURE, compiler_options=FAST_COMPILE)
+    algo = ALGO.model_copy(update={"micro_batch_size": B // 2 if packed else B // 4})
+    step = make_train_step(graphdef, sgd(0.5), algo, temperature=TEMPERATURE, mesh=mesh if packed else None,
+                           compiler_options=FAST_COMPILE)
+    reductions = gradient_all_reduces(step.lower(state, sharded_batch).compile().as_text())
+    if packed:  # one flat buffer: every gradient and metric, nothing per parameter
+        assert len(reductions) == 1 and "(f32[" not in reductions[0].split("all-reduce")[0], reductions
+    else:  # what the packing avoids: a tuple with one element per parameter
+        assert reductions and reductions[0].count("f32[") > len(jax.tree.leaves(tiny_model()[1])), reductions
     micro_state, micro_metrics = step(state, sharded_batch)
 
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
