@@ -76,7 +76,9 @@ class AlgoSpec(_Strict):
     kl_coef: float = Field(0.0, ge=0.0, le=100.0)
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     num_iterations: int = Field(1, ge=1, le=64)
-    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="sequences per gradient micro-batch")
+    micro_batch_size: int | None = Field(None, ge=1, le=65536, description=(
+        "sequences of the global batch per gradient micro-batch; unset: the whole batch on accelerators, "
+        "micro-batches of at most 8192 token slots per device on CPU (locojax.train.CPU_MICRO_BATCH_SLOTS)"))
 
 
 class OptimSpec(_Strict):

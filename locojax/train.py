@@ -181,12 +181,37 @@ def make_logprobs_fn(
 # Shared step machinery
 
 
-def _num_micro_batches(batch_size: int, micro_batch_size: int | None) -> int:
-    if micro_batch_size is None or micro_batch_size >= batch_size:
+# With no micro_batch_size set, a step on CPU devices splits each device's rows into micro-batches of
+# at most this many token slots (halving while the rows divide evenly). XLA:CPU allocates a step's
+# whole temporary buffer afresh on every call and the kernel faults in and zeroes every page of it,
+# so past a few thousand rows x slots the faults, not the FLOPs, set the time: 512 rows x 104 slots
+# on one core took 680 ms whole, 384 ms as 4 micro-batches and 331 ms as 8 (6.6K slots each);
+# 1024 rows 1346 ms whole, 708 ms as 8. Accelerators keep the whole batch (their memory is
+# allocated once); set micro_batch_size to bound their activation memory.
+CPU_MICRO_BATCH_SLOTS = 8192
+
+
+def _num_micro_batches(batch_size: int, micro_batch_size: int | None, seq_len: int = 0,
+                       data_devices: int = 1, platform: str = "") -> int:
+    if micro_batch_size is None:
+        if platform != "cpu":
+            return 1
+        num, per_device = 1, batch_size // max(data_devices, 1)
+        while per_device // num * seq_len > CPU_MICRO_BATCH_SLOTS and per_device % (2 * num) == 0:
+            num *= 2
+        return num
+    if micro_batch_size >= batch_size:
         return 1
     if batch_size % micro_batch_size:
         raise ValueError(f"batch of {batch_size} sequences is not a multiple of micro_batch_size {micro_batch_size}")
     return batch_size // micro_batch_size
+
+
+def _data_layout(mesh: Mesh | None) -> tuple[int, str]:
+    """(devices the batch rows are split over, platform) of a step's mesh; default: one device."""
+    if mesh is None:
+        return 1, jax.default_backend()
+    return mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1), mesh.devices.flat[0].platform
 
 
 def _split_micro(batch: Mapping[str, jax.Array], num_micro: int) -> dict[str, jax.Array]:
@@ -312,7 +337,8 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_batch(batch, required)
         completion_mask = batch["completion_mask"].astype(bool)
-        num_micro = _num_micro_batches(completion_mask.shape[0], algo.micro_batch_size)
+        num_micro = _num_micro_batches(completion_mask.shape[0], algo.micro_batch_size, batch["tokens"].shape[1],
+                                       *_data_layout(mesh))
         inputs = {k: batch[k] for k in required}
         inputs["completion_mask"] = completion_mask
         # Whole-batch normalisers, computed before splitting (see locojax.algo.losses).
@@ -365,7 +391,8 @@ def make_sft_step(
     def sft_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_batch(batch, ("tokens", "prompt_mask", "completion_mask"))
         completion_mask = batch["completion_mask"].astype(bool)
-        num_micro = _num_micro_batches(completion_mask.shape[0], micro_batch_size)
+        num_micro = _num_micro_batches(completion_mask.shape[0], micro_batch_size, batch["tokens"].shape[1],
+                                       *_data_layout(mesh))
         inputs = {"tokens": batch["tokens"], "prompt_mask": batch["prompt_mask"],
                   "completion_mask": completion_mask, "mean_weights": token_mean_weights(completion_mask)}
         grads_fn = packed_data_parallel_grads(loss_fn, mesh, num_micro, completion_mask.shape[0] // num_micro)
