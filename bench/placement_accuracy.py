@@ -29,9 +29,11 @@ One run of this script measures both sides under the same conditions:
    model's split has the all-reduce as network and the calls as host.
 
 Writes `bench/results/placement_accuracy.json` with every run's measured and predicted step time and
-split, the rank order of the modes per workload and round (measured vs predicted), the spread of the
-measured medians between rounds (the noise of the comparison), and the errors of each variant. Issue
-6 asks for errors within 25% and the same ranking. The last line printed is `max_rel_error=<x>`: the
+split, the rank order of the modes per workload (measured vs predicted) over the rounds, as
+bench/coordination.py reports it (median over rounds of each run's median step), and in each round,
+the spread of the measured medians between rounds (the noise of the comparison), and the errors of
+each variant. Issue 6 asks for errors within 25% (here: every single run) and the same ranking (here:
+the benchmark's, over rounds; `within_target` is both). The last line printed is `max_rel_error=<x>`: the
 probe-only figure (worst run over all rounds).
 
 `--input coordination.json` scores the measurements in that file instead of running the workloads
@@ -121,8 +123,11 @@ def measure(args) -> list[dict[str, Any]]:
             for round_index in range(args.rounds):
                 round_dir = workdir / f"round{round_index}"
                 round_dir.mkdir()
+                # Alternating mode order, as bench/coordination.py runs them, so no mode always runs
+                # first (or last) in a round.
+                order = list(MODES) if round_index % 2 == 0 else list(reversed(MODES))
                 for workload in args.workloads:
-                    for mode in MODES:
+                    for mode in order:
                         clock = StepClock(round_dir / f"{workload}-{mode}" / "metrics.jsonl")
                         try:
                             run = run_mode(round_dir, workload, mode, args.steps, data, keep_records=True)
@@ -274,6 +279,28 @@ def main() -> None:
                 "match": {name: order == measured_order for name, order in orders.items()},
                 "measured_step_s": {r["mode"]: r["measured_step_s"] for r in mine}}
 
+    # The benchmark's own figure (bench/coordination.py): per workload and mode, the median over rounds of
+    # the runs' median step times. Its mode order is the measured order the model must reproduce; the
+    # prediction is likewise the median over rounds of the per-run predictions (each at its run's
+    # measured contention). One round's order is reported above too, but a single run's median moves by
+    # up to a quarter between rounds here (round_to_round_spread), more than near-tied modes differ.
+    benchmark: dict[str, Any] = {}
+    for workload in args.workloads:
+        per_mode = {}
+        for mode in ("co", "sc", "da"):
+            mine = [r for r in results if r["workload"] == workload and r["mode"] == mode]
+            if mine:
+                measured = statistics.median(r["measured_step_s"] for r in mine)
+                predicted = {name: statistics.median(r[name]["step_s"] for r in mine) for name in variants}
+                per_mode[mode] = {"measured_step_s": measured, "rounds": len(mine), **{
+                    name: {"step_s": step_s, "rel_error": rel_error(step_s, measured)}
+                    for name, step_s in predicted.items()}}
+        measured_order = sorted(per_mode, key=lambda mode: per_mode[mode]["measured_step_s"])
+        orders = {name: sorted(per_mode, key=lambda mode: per_mode[mode][name]["step_s"]) for name in variants}
+        benchmark[workload] = {"measured": measured_order, **orders,
+                               "match": {name: order == measured_order for name, order in orders.items()},
+                               "modes": per_mode}
+
     # Every pair of modes: is the predicted faster one the measured faster one, and by how much do they
     # differ? (An order among modes a few % apart is decided by noise: see round_to_round_spread.)
     pairs = []
@@ -305,18 +332,24 @@ def main() -> None:
     summary = {name: {"max_rel_error": max(r[name]["rel_error"] for r in results),
                       "mean_rel_error": statistics.mean(r[name]["rel_error"] for r in results),
                       "rankings_matched": sum(v["match"][name] for v in ranking.values()),
-                      "rankings": len(ranking)} for name in variants}
+                      "rankings": len(ranking),
+                      "benchmark_max_rel_error": max(m[name]["rel_error"] for v in benchmark.values()
+                                                     for m in v["modes"].values()),
+                      "benchmark_rankings_matched": sum(v["match"][name] for v in benchmark.values()),
+                      "benchmark_rankings": len(benchmark)} for name in variants}
     max_rel_error = summary[headline]["max_rel_error"]
     output = {
         "target_rel_error": TARGET_REL_ERROR,
         "measurements": source,
         "headline": headline,
         "max_rel_error": max_rel_error,
-        "within_target": max_rel_error <= TARGET_REL_ERROR and all(v["match"][headline] for v in ranking.values()),
+        # Every run within the error target, and the benchmark's mode order (medians over rounds) reproduced.
+        "within_target": max_rel_error <= TARGET_REL_ERROR and all(v["match"][headline] for v in benchmark.values()),
         "summary": summary,
         "round_to_round_spread": spread,
         "round_to_round_spread_per_contention": normalized_spread,
         "runs": results,
+        "benchmark_ranking": benchmark,
         "ranking": ranking,
         "pairwise_order": pairs,
         "calibration": scored["calibration"],
@@ -335,10 +368,15 @@ def main() -> None:
     for key, order in ranking.items():
         print(f"{key:<26}measured {'<'.join(order['measured'])}; "
               + "; ".join(f"{n} {'<'.join(order[n])}{'' if order['match'][n] else ' (MISMATCH)'}" for n in names))
+    for workload, entry in benchmark.items():
+        print(f"median over rounds  {workload:<14}measured {'<'.join(entry['measured'])} ("
+              + ", ".join(f"{mode} {v['measured_step_s']:.3f}" for mode, v in entry["modes"].items()) + "); "
+              + "; ".join(f"{n} {'<'.join(entry[n])}{'' if entry['match'][n] else ' (MISMATCH)'}" for n in names))
     for name in names:
         print(f"{name:<16}max_rel_error={summary[name]['max_rel_error']:.3f} "
-              f"mean={summary[name]['mean_rel_error']:.3f} rankings {summary[name]['rankings_matched']}/"
-              f"{summary[name]['rankings']}")
+              f"mean={summary[name]['mean_rel_error']:.3f} per-round rankings {summary[name]['rankings_matched']}/"
+              f"{summary[name]['rankings']}; over rounds: max error {summary[name]['benchmark_max_rel_error']:.3f}, "
+              f"rankings {summary[name]['benchmark_rankings_matched']}/{summary[name]['benchmark_rankings']}")
     for gap in (0.10, 0.20):
         clear = [p for p in pairs if abs(math.log(p["measured_ratio"])) > math.log(1 + gap)]
         print(f"mode pairs measured more than {gap:.0%} apart: {sum(p['agree'] for p in clear)}/{len(clear)} "

@@ -186,12 +186,24 @@ class ModelSize:
     d_model: int
     attention_width: int  # n_heads * head_dim
     kv_values_per_token: int  # 2 * kv_heads * head_dim * layers
+    # The output projection (vocab x d_model; the embedding table when tied) and an untied input
+    # embedding (a lookup, no FLOPs). Training scores only completion slots, so it runs the head on
+    # those alone (locojax.train: `output_slots`); 0 means "count every parameter on every token".
+    head_params: int = 0
+    lookup_params: int = 0
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "ModelSize":
+        head = config.vocab_size * config.d_model
         return cls(name=config.name, params=param_count(config), n_layers=config.n_layers, d_model=config.d_model,
                    attention_width=config.n_heads * config.head_dim,
-                   kv_values_per_token=config.kv_bytes_per_token(bytes_per_value=1))
+                   kv_values_per_token=config.kv_bytes_per_token(bytes_per_value=1),
+                   head_params=head, lookup_params=0 if config.tie_embeddings else head)
+
+    @property
+    def body_params(self) -> int:
+        """Parameters every token's forward pass multiplies through: the layers and the final norm."""
+        return self.params - self.head_params - self.lookup_params
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -289,16 +301,21 @@ def prefill_context(hardware: HardwareProfile, workload: WorkloadProfile) -> flo
     return workload.prompt_len / 2
 
 
-def train_flops(model: ModelSize, hardware: HardwareProfile, sequences: float, seq_len: float) -> tuple[float, float]:
+def train_flops(model: ModelSize, hardware: HardwareProfile, sequences: float, seq_len: float,
+                scored_len: float | None = None) -> tuple[float, float]:
     """(parameter matmul, attention) FLOPs of a training step on `sequences` padded sequences.
 
-    Causal attention (fused kernels that skip the masked half) reads seq_len / 2 keys per query on
-    average; dense static-shape attention (the local engine) computes all seq_len and masks.
+    The layers run on all `seq_len` slots; the output head only on the `scored_len` completion slots
+    whose log-probs the loss needs (default: all). Causal attention (fused kernels that skip the
+    masked half) reads seq_len / 2 keys per query on average; dense static-shape attention (the local
+    engine) computes all seq_len and masks.
     """
     tokens = sequences * seq_len
+    scored = sequences * (seq_len if scored_len is None else scored_len)
     mean_context = seq_len if hardware.decode_attention == "dense" else seq_len / 2
     passes = hardware.train_flops_per_param_token / FLOPS_PER_PARAM_TOKEN_PER_PASS
-    return (tokens * hardware.train_flops_per_param_token * model.params,
+    matmul_params_x_tokens = tokens * (model.params - model.head_params - model.lookup_params) + scored * model.head_params
+    return (hardware.train_flops_per_param_token * matmul_params_x_tokens,
             tokens * passes * 4 * model.n_layers * model.attention_width * mean_context)
 
 
@@ -357,7 +374,7 @@ def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadP
     if train_state_bytes_per_chip(model, chips) > hardware.hbm_bytes * HBM_USABLE_FRACTION:
         raise InfeasiblePlacement(f"{model.name}: training state does not fit {chips} chip(s)")
     flops, _ = chip_rates(hardware, busy_chips)
-    param_flops, attention_flops = train_flops(model, hardware, workload.samples, workload.seq_len)
+    param_flops, attention_flops = train_flops(model, hardware, workload.samples, workload.seq_len, workload.gen_len)
     device_s = hardware.device_time_scale * (
         (param_flops + attention_flops / hardware.train_attention_efficiency)
         / (chips * flops * effective_mfu(model, hardware)) + hardware.train_step_overhead_s)

@@ -454,21 +454,27 @@ def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: 
 
     Rates are per device while every core is busy; the profile states them for the whole machine
     (`peak_flops` is shared by the busy chips), so per-device FLOP/s are multiplied by `cores`.
-    Non-negative least squares on relative errors.
+    Least squares on relative errors, within physical bounds: no kernel's matmuls run faster than the
+    probe's large float32 matmul (`matmul_flops / cores` per device), and attention runs no faster
+    than the matmuls (efficiency <= 1); overheads are >= 0. The kernels' shapes alone leave the
+    matmul and attention terms nearly collinear, and without the bounds one probe of this machine
+    fitted matmuls at 15x the measured peak with attention at 0.7% of it.
     """
     import numpy as np
-    from scipy.optimize import nnls
+    from scipy.optimize import lsq_linear
 
     from locojax.model.config import PRESETS
     from locojax.placement.cost_model import ModelSize, decode_step_flops, prefill_flops, train_flops
     from locojax.placement.hardware import LOCAL_CPU
 
-    def solve(rows: list[list[float]], targets: list[float]) -> list[float]:
+    def solve(rows: list[list[float]], targets: list[float], lower: list[float]) -> list[float]:
         a, y = np.asarray(rows, float), np.asarray(targets, float)
         scale = np.abs(a).max(axis=0)
         scale[scale == 0] = 1.0
-        solution, _ = nnls(a / scale / y[:, None], np.ones(len(y)))
-        return list(solution / scale)
+        fit = lsq_linear(a / scale / y[:, None], np.ones(len(y)), bounds=(np.asarray(lower) * scale, np.inf))
+        return list(fit.x / scale)
+
+    fastest = cores / matmul_flops  # seconds per FLOP of one device's share of the measured matmul peak
 
     out: dict[str, dict[str, float]] = {}
     for preset in dict.fromkeys(k["preset"] for k in timings):
@@ -477,21 +483,25 @@ def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: 
         rows, targets = [], []
         for k in (k for k in mine if k["kind"] == "train"):
             batch, prompt_len, new_tokens = k["shape"]
-            param, attention = train_flops(model, LOCAL_CPU, batch, prompt_len + new_tokens)
-            rows.append([1.0, param, attention])
+            param, attention = train_flops(model, LOCAL_CPU, batch, prompt_len + new_tokens, new_tokens)
+            # attention's seconds per FLOP b = a + extra, extra >= 0
+            rows.append([1.0, param + attention, attention])
             targets.append(k["s"])
-        train_fixed, a, b = solve(rows, targets)
+        train_fixed, a, extra = solve(rows, targets, [0.0, fastest, 0.0])
+        b = a + extra
         rows, targets = [], []
         for k in (k for k in mine if k["kind"] == "generate"):
             batch, prompt_len, new_tokens = k["shape"]
             context = prompt_len + new_tokens  # dense attention over every cache slot (cost_model.decode_context)
             pf_param, pf_attention = prefill_flops(model, batch, prompt_len, context)
             dec_param, dec_attention = decode_step_flops(model, batch, context)
-            known = (new_tokens - 1) * a * dec_param
-            prefill = pf_param + pf_attention * (b / a if a > 0 else 1.0)
+            # decode's matmuls and the floor of its attention at training's matmul rate a
+            known = (new_tokens - 1) * a * (dec_param + dec_attention)
+            prefill = pf_param + pf_attention * b / a
             rows.append([prefill, (new_tokens - 1) * dec_attention, new_tokens * batch, new_tokens])
             targets.append(max(k["s"] - known, 0.05 * k["s"]))
-        p, d, row_s, step_s = solve(rows, targets)
+        p, d_extra, row_s, step_s = solve(rows, targets, [fastest, 0.0, 0.0, 0.0])
+        d = a + d_extra
         rate = 1.0 / a if a > 0 else matmul_flops / cores  # per device, while all cores are busy
         peak = max(matmul_flops, rate * cores, cores / p if p > 0 else 0.0)
 

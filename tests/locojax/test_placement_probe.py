@@ -48,7 +48,7 @@ def test_fit_recovers_the_rates_it_was_generated_with():
     for kernel in kernel_list(("tiny",)):
         batch, prompt_len, new_tokens = kernel["shape"]
         if kernel["kind"] == "train":
-            param, attention = train_flops(model, LOCAL_CPU, batch, prompt_len + new_tokens)
+            param, attention = train_flops(model, LOCAL_CPU, batch, prompt_len + new_tokens, new_tokens)
             seconds = fixed + a * param + b * attention
         else:
             pf_param, pf_attention = prefill_flops(model, batch, prompt_len, prompt_len + new_tokens)
