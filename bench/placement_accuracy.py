@@ -197,8 +197,10 @@ def score(runs: list[dict[str, Any]], base, calibrate_runs: bool) -> dict[str, A
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="times every (workload, mode) run is measured")
-    parser.add_argument("--steps", type=int, default=6, help="steps per run (bench/coordination.py's runs used 6)")
+    parser.add_argument("--rounds", type=int, default=3, help="times every (workload, mode) run is measured")
+    # 10 steps: medians over steps 2-8 (0-1 compile, the last saves the final checkpoint). With 6 (what
+    # bench/coordination.py runs) a median rests on 3 steps, and step 2 is often still warming up.
+    parser.add_argument("--steps", type=int, default=10, help="steps per run (default 10)")
     parser.add_argument("--workloads", nargs="*", default=["host_heavy", "rollout_heavy"])
     parser.add_argument("--input", type=Path, default=None,
                         help="score this coordination.json instead of running the workloads here")
