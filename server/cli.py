@@ -45,7 +45,7 @@ def serve(
         # Printed once, to the terminal that started the server; only its hash is stored.
         typer.echo(f"Created an admin token (shown once): {secret}\n  export LOCOJAX_TOKEN={secret}", err=True)
     uvicorn.run(create_app(settings), host=host or settings.bind_host, port=port or settings.port,
-                log_level=settings.log_level, proxy_headers=False)
+                log_level=settings.log_level, proxy_headers=False, timeout_keep_alive=settings.keep_alive_s)
 
 
 token_app = typer.Typer(help="Create, list and revoke API tokens (stored hashed).", no_args_is_help=True)

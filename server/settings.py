@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     bind_host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     log_level: str = "info"
+    # Longer than any pooled client keeps an idle connection (httpx: 5 s, proxies: 60 s). At uvicorn's
+    # default of 5 s the server closes idle connections just as httpx clients reuse them, and those
+    # requests fail with ReadError: 7 of 2,121 did in a 20 s, 50-client load test (tests/e2e/test_load.py).
+    keep_alive_s: int = Field(75, ge=1, description="seconds an idle keep-alive connection stays open")
 
     page_size_default: int = Field(50, ge=1)
     page_size_max: int = Field(200, ge=1)
