@@ -10,7 +10,8 @@ One run of this script measures both sides under the same conditions:
    stated for uncontended cores: each kernel's time is taken without the time its threads waited
    for a core (the scheduler's per-thread accounting, /proc/<pid>/task/<tid>/schedstat).
 2. **Runs**: the runs of `bench/coordination.py` (its `run_mode` and specs: CO, SC and DA on the
-   host-heavy and rollout-heavy workloads), `--rounds` times, right after the probe. This machine is
+   host-heavy and rollout-heavy workloads), `--rounds` times, each round right after a probe of its
+   own (`--probe-each-round`, the default: this machine's speed drifts between rounds). This machine is
    shared with other work, so the same scheduler accounting is sampled over every thread of the run's
    process tree during the steps its median covers; how much other work slowed those threads is the
    run's contention (`locojax.placement.probe.contention`), its `device_time_scale` (1 when the run
@@ -109,9 +110,11 @@ class StepClock:
         self._thread.join()
 
 
-def measure(args) -> list[dict[str, Any]]:
+def measure(args, probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs, `--rounds` times. With `--probe-each-round`, every round after the first is preceded by
+    a new probe (appended to `probes`), and each run records the probe it is predicted from."""
     from bench.coordination import MODES, run_mode, write_gsm8k_like
-    from locojax.placement.probe import ContentionMeter, span_contention
+    from locojax.placement.probe import ContentionMeter, run_probe, span_contention
 
     runs = []
     meter = ContentionMeter().start()
@@ -121,6 +124,9 @@ def measure(args) -> list[dict[str, Any]]:
             data = workdir / "gsm8k_like.jsonl"
             write_gsm8k_like(data)
             for round_index in range(args.rounds):
+                if args.probe_each_round and round_index > 0:
+                    probes.append(run_probe(presets=PRESETS))
+                    print(f"probe {len(probes) - 1} done", flush=True)
                 round_dir = workdir / f"round{round_index}"
                 round_dir.mkdir()
                 # Alternating mode order, as bench/coordination.py runs them, so no mode always runs
@@ -137,7 +143,8 @@ def measure(args) -> list[dict[str, Any]]:
                         window = (clock.times[SKIP_STEPS - 1], clock.times[-1]) if len(clock.times) > SKIP_STEPS \
                             else (None, None)
                         span = meter.window(*window) if window[0] is not None else None
-                        run.update({"round": round_index, "workload": workload, "mode": mode, "schedstat": span,
+                        run.update({"round": round_index, "probe_index": len(probes) - 1, "workload": workload,
+                                    "mode": mode, "schedstat": span,
                                     "device_time_scale": span_contention(span) if span else 1.0})
                         contention_x = run["device_time_scale"]
                         runs.append(run)
@@ -205,6 +212,10 @@ def main() -> None:
     parser.add_argument("--input", type=Path, default=None,
                         help="score this coordination.json instead of running the workloads here")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    # This machine's speed drifts by tens of % over minutes (the matmul peak measured 482 to 232
+    # GFLOP/s across five probes of one morning): predict each round from a probe taken just before it.
+    parser.add_argument("--probe-each-round", action=argparse.BooleanOptionalAction, default=True,
+                        help="probe again before every round and predict its runs from that probe (default on)")
     parser.add_argument("--save-raw", type=Path, default=None,
                         help="also write the probe and every run's spec and step records here")
     parser.add_argument("--from-raw", type=Path, default=None,
@@ -217,42 +228,64 @@ def main() -> None:
 
     if args.from_raw:
         raw = json.loads(args.from_raw.read_text(encoding="utf-8"))
-        probe, runs, probe_s = raw["probe"], raw["runs"], raw["probe_s"]
+        probes, runs, probe_s = raw.get("probes") or [raw["probe"]], raw["runs"], raw["probe_s"]
         from locojax.placement.probe import kernel_uncontended_s, profile_from_measurements, span_contention
 
-        for layout in ("pinned", "controller"):  # re-derive with the current code
-            for kernel in probe["measurements"].get(f"kernels_{layout}", []):
-                if kernel.get("reps"):
-                    kernel["s"] = statistics.median(kernel_uncontended_s(rep) for rep in kernel["reps"])
-        probe["profile"] = profile_from_measurements(probe["measurements"], raw["cores"])
+        for probe in probes:
+            for layout in ("pinned", "controller"):  # re-derive with the current code
+                for kernel in probe["measurements"].get(f"kernels_{layout}", []):
+                    if kernel.get("reps"):
+                        kernel["s"] = statistics.median(kernel_uncontended_s(rep) for rep in kernel["reps"])
+            probe["profile"] = profile_from_measurements(probe["measurements"], raw["cores"])
         for run in runs:
             if run.get("schedstat"):
                 run["device_time_scale"] = span_contention(run["schedstat"])
         args.workloads = list(dict.fromkeys(run["workload"] for run in runs))
         source = f"{raw['source']}; re-scored from {args.from_raw.name} (bench run of {raw['measured_at']})"
     else:
-        probe = run_probe(presets=PRESETS)
+        probes = [run_probe(presets=PRESETS)]
         probe_s = time.perf_counter() - started
         print(f"probe done in {probe_s:.0f} s", flush=True)
         if args.input:
             runs = runs_from_file(args.input)
             source = f"measurements read from {args.input} (not measured in this run; no contention measured)"
         else:
-            runs = measure(args)
-            source = ("measured in this run, right after the probe (bench/coordination.py's run_mode, "
-                      f"{args.rounds} round(s) of every workload and mode)")
+            runs = measure(args, probes)
+            source = ("measured in this run (bench/coordination.py's run_mode, "
+                      f"{args.rounds} round(s) of every workload and mode), each round right after "
+                      + ("its own probe" if args.probe_each_round else "the one probe"))
         if args.save_raw:
             args.save_raw.write_text(json.dumps({"source": source, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                                 "probe": probe, "probe_s": probe_s, "runs": runs,
-                                                 "cores": len(os.sched_getaffinity(0)),
+                                                 "probe": probes[0], "probes": probes, "probe_s": probe_s,
+                                                 "runs": runs, "cores": len(os.sched_getaffinity(0)),
                                                  "bench_s": time.perf_counter() - started}) + "\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        profile_path = Path(tmp) / "local-cpu.json"
-        profile_path.write_text(json.dumps(probe))
-        base = load_local_cpu_profile(profile_path)
+    probe = probes[0]
 
-    scored = score(runs, base, calibrate_runs=len(runs[0]["records"]) > 1)
-    variants = scored["variants"]
+    # Each run is predicted from the probe taken before its round (one probe for all without
+    # --probe-each-round); calibration fits within the runs of one probe.
+    calibrate_runs = len(runs[0]["records"]) > 1
+    observations: list[Any] = [None] * len(runs)
+    variants: dict[str, list[Any]] = {}
+    calibrations: dict[str, Any] = {}
+    for index, one_probe in enumerate(probes):
+        mine = [i for i, run in enumerate(runs) if run.get("probe_index", 0) == index]
+        if not mine:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            profile_path = Path(tmp) / "local-cpu.json"
+            profile_path.write_text(json.dumps(one_probe))
+            base = load_local_cpu_profile(profile_path)
+        part = score([runs[i] for i in mine], base, calibrate_runs=calibrate_runs)
+        for name, predictions in part["variants"].items():
+            column = variants.setdefault(name, [None] * len(runs))
+            for i, value in zip(mine, predictions):
+                column[i] = value
+        for i, obs in zip(mine, part["observations"]):
+            observations[i] = obs
+        calibrations[f"probe{index}"] = part["calibration"]
+    variants = {name: column for name, column in variants.items() if all(v is not None for v in column)}
+    scored = {"observations": observations, "variants": variants,
+              "calibration": calibrations if len(probes) > 1 else calibrations.get("probe0", {})}
     headline = "probe"
 
     results = []
@@ -356,6 +389,8 @@ def main() -> None:
         "pairwise_order": pairs,
         "calibration": scored["calibration"],
         "probe": probe,
+        "probes_matmul_flops": [p["measurements"].get("matmul_flops") for p in probes],
+        "probes": probes[1:],
         "bench_s": raw.get("bench_s") if args.from_raw else time.perf_counter() - started,
         "probe_s": probe_s,
     }
