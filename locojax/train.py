@@ -273,6 +273,14 @@ def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_
                          out_specs=PartitionSpec(), check_vma=False)
 
 
+def _gradient_plan(loss_fn, batch: Mapping[str, jax.Array], micro_batch_size: int | None, mesh: Mesh | None):
+    """(micro-batch count, `grads_fn(params, micro)`) of a step on `batch`: the count from
+    `_num_micro_batches` for this mesh's layout, the gradients from `packed_data_parallel_grads`."""
+    batch_size, seq_len = batch["tokens"].shape[0], batch["tokens"].shape[1]
+    num_micro = _num_micro_batches(batch_size, micro_batch_size, seq_len, *_data_layout(mesh))
+    return num_micro, packed_data_parallel_grads(loss_fn, mesh, num_micro, batch_size // num_micro)
+
+
 def _apply(optimizer: Optimizer, params, opt_state, grads):
     grad_norm = optax.global_norm(grads)
     updates, opt_state = optimizer.tx.update(grads, opt_state, params)
@@ -337,15 +345,13 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_batch(batch, required)
         completion_mask = batch["completion_mask"].astype(bool)
-        num_micro = _num_micro_batches(completion_mask.shape[0], algo.micro_batch_size, batch["tokens"].shape[1],
-                                       *_data_layout(mesh))
+        num_micro, grads_fn = _gradient_plan(loss_fn, batch, algo.micro_batch_size, mesh)
         inputs = {k: batch[k] for k in required}
         inputs["completion_mask"] = completion_mask
         # Whole-batch normalisers, computed before splitting (see locojax.algo.losses).
         inputs["loss_weights"] = loss_weights_fn(completion_mask)  # [B, N]
         inputs["mean_weights"] = token_mean_weights(completion_mask)  # [B, N]
         micro = _split_micro(inputs, num_micro)
-        grads_fn = packed_data_parallel_grads(loss_fn, mesh, num_micro, completion_mask.shape[0] // num_micro)
 
         def update(carry, _):
             params, opt_state = carry
@@ -391,11 +397,9 @@ def make_sft_step(
     def sft_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_batch(batch, ("tokens", "prompt_mask", "completion_mask"))
         completion_mask = batch["completion_mask"].astype(bool)
-        num_micro = _num_micro_batches(completion_mask.shape[0], micro_batch_size, batch["tokens"].shape[1],
-                                       *_data_layout(mesh))
+        num_micro, grads_fn = _gradient_plan(loss_fn, batch, micro_batch_size, mesh)
         inputs = {"tokens": batch["tokens"], "prompt_mask": batch["prompt_mask"],
                   "completion_mask": completion_mask, "mean_weights": token_mean_weights(completion_mask)}
-        grads_fn = packed_data_parallel_grads(loss_fn, mesh, num_micro, completion_mask.shape[0] // num_micro)
         grads, metrics = grads_fn(state.params, _split_micro(inputs, num_micro))
         params, opt_state, grad_norm = _apply(optimizer, state.params, state.opt_state, grads)
         metrics = {**metrics, m.POLICY_GRAD_NORM: grad_norm, m.OPTIM_LR: optimizer.lr_schedule(state.step)}

@@ -314,7 +314,7 @@ def train_flops(model: ModelSize, hardware: HardwareProfile, sequences: float, s
     scored = sequences * (seq_len if scored_len is None else scored_len)
     mean_context = seq_len if hardware.decode_attention == "dense" else seq_len / 2
     passes = hardware.train_flops_per_param_token / FLOPS_PER_PARAM_TOKEN_PER_PASS
-    matmul_params_x_tokens = tokens * (model.params - model.head_params - model.lookup_params) + scored * model.head_params
+    matmul_params_x_tokens = tokens * model.body_params + scored * model.head_params
     return (hardware.train_flops_per_param_token * matmul_params_x_tokens,
             tokens * passes * 4 * model.n_layers * model.attention_width * mean_context)
 
