@@ -375,9 +375,12 @@ def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadP
         raise InfeasiblePlacement(f"{model.name}: training state does not fit {chips} chip(s)")
     flops, _ = chip_rates(hardware, busy_chips)
     param_flops, attention_flops = train_flops(model, hardware, workload.samples, workload.seq_len, workload.gen_len)
+    scored_per_chip = workload.samples * workload.gen_len / chips
     device_s = hardware.device_time_scale * (
         (param_flops + attention_flops / hardware.train_attention_efficiency)
-        / (chips * flops * effective_mfu(model, hardware)) + hardware.train_step_overhead_s)
+        / (chips * flops * effective_mfu(model, hardware))
+        + scored_per_chip * hardware.train_scored_token_overhead_s
+        + hardware.train_step_overhead_s)
     return Terms(device_s, _dispatch_host_terms(mode, TRAIN_DISPATCHES, hosts))
 
 

@@ -57,7 +57,8 @@ PCIE_BANDWIDTH = 15 * GB
 
 # The fields a per-width entry of `HardwareProfile.measured_rates` / `controller_rates` may set.
 RATE_FIELDS = ("peak_flops", "train_mfu", "decode_mfu", "prefill_mfu", "train_attention_efficiency",
-               "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s", "train_step_overhead_s")
+               "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s", "train_step_overhead_s",
+               "train_scored_token_overhead_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,13 @@ class HardwareProfile:
     # step into few large kernels); `locojax probe` measures them for local-cpu.
     decode_step_overhead_s: float = 0.0
     train_step_overhead_s: float = 0.0
+    # Device time per scored (completion) slot of a training step beyond its matmuls: log-softmax
+    # and entropy over the vocabulary, the taken token's log-prob, the last layer's work for those
+    # slots; per device while every device is busy. 0 on accelerators, where it hides under the
+    # matmuls; `locojax probe` measures it for local-cpu. (Per-slot work that is not a matmul has no
+    # field of its own: it scales with the slots exactly as the body's matmul FLOPs do, so a fit
+    # cannot tell the two apart, and the matmul rate carries both.)
+    train_scored_token_overhead_s: float = 0.0
     # Published MFU figures are for models at least this wide (Llama-3.1-8B, d_model 4096). Narrower
     # models are assumed to reach proportionally less (`train_mfu * d_model / mfu_reference_width`):
     # the per-token work that is not a large matmul (norms, activations, softmax, collective
@@ -147,7 +155,8 @@ class HardwareProfile:
                 raise ValueError(f"HardwareProfile.{field} must be positive, got {getattr(self, field)}")
         non_negative = ("ici_latency_s", "dcn_latency_s", "dispatch_s", "controller_round_trip_s",
                         "controller_round_trip_per_host_s", "reward_cpu_scale", "ray_call_s",
-                        "decode_step_overhead_s", "train_step_overhead_s", "decode_row_overhead_s")
+                        "decode_step_overhead_s", "train_step_overhead_s", "decode_row_overhead_s",
+                        "train_scored_token_overhead_s")
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")
@@ -272,45 +281,47 @@ _add(HardwareProfile(
 # The local CPU: a "chip" is one JAX CPU device, a "host" is one process (DESIGN.md section 2), and
 # every process shares this machine's cores. `locojax probe` measures the real values and writes them
 # to a JSON file that `load_local_cpu_profile` reads. The defaults below are one such probe of the
-# 2-core development machine (AMD EPYC, KVM; bench/results/placement_accuracy.json, 2026-11-30): rates
-# of the engine's own kernels at the `tiny` preset's width, stated for cores free of other work.
+# 2-core development machine (AMD EPYC, CPU family 25, AVX-512, Firecracker microVM; the first probe of
+# bench/results/placement_accuracy.json, 2026-11-30): rates of the engine's own kernels at the `tiny`
+# preset's width, stated for cores free of other work.
 # Other widths take these rates too until a probe measures theirs (`locojax probe` times tiny and small).
 _PROBED_2_CORE = "locojax probe on the 2-core development machine, 2026-11-30 (bench/placement_accuracy.py)"
 LOCAL_CPU = HardwareProfile(
     name="local-cpu", description="this machine's CPU cores; one process per simulated host",
-    # The engine's train step at d_model 64 runs its matmuls at ~215 GFLOP/s per core (2 cores busy),
-    # about the rate of a large float32 matmul here (~245 GFLOP/s for 2 cores in one process); attention
-    # (masked softmax over dense caches, head_dim 16) at ~1/10 of that; prefill at ~0.6 of it.
-    peak_flops=429e9,
+    # The engine's train step at d_model 64 runs its matmuls at the rate of a large float32 matmul here
+    # (~215 GFLOP/s for the 2 cores); attention (masked softmax over dense caches, head_dim 16) at ~1/4
+    # of that; prefill at ~0.4 of it; each completion slot adds ~10 us of vocabulary work.
+    peak_flops=215e9,
     train_mfu=1.0,
     decode_mfu=1.0,
-    prefill_mfu=0.62,
-    train_attention_efficiency=0.095,
-    decode_attention_efficiency=0.11,
-    decode_row_overhead_s=8.3e-6,  # per sequence per decode step: sampling over the 384-token vocabulary
-    decode_step_overhead_s=34e-6,
-    train_step_overhead_s=13.6e-3,
+    prefill_mfu=0.39,
+    train_attention_efficiency=0.26,
+    decode_attention_efficiency=0.059,
+    decode_row_overhead_s=10.5e-6,  # per sequence per decode step: sampling over the 384-token vocabulary
+    decode_step_overhead_s=0.0,
+    train_step_overhead_s=18e-3,
+    train_scored_token_overhead_s=10e-6,
     rates_include_memory=True,
     # SC's controller: one process driving both cores' devices (rates per device, same convention).
-    controller_rates={"64": {"peak_flops": 615e9, "train_mfu": 1.0, "decode_mfu": 1.0, "prefill_mfu": 0.70,
-                             "train_attention_efficiency": 0.049, "decode_attention_efficiency": 1.0,
-                             "decode_row_overhead_s": 10.3e-6, "decode_step_overhead_s": 56e-6,
-                             "train_step_overhead_s": 0.0}},
+    controller_rates={"64": {"peak_flops": 215e9, "train_mfu": 1.0, "decode_mfu": 1.0, "prefill_mfu": 0.365,
+                             "train_attention_efficiency": 0.28, "decode_attention_efficiency": 0.069,
+                             "decode_row_overhead_s": 12.7e-6, "decode_step_overhead_s": 18.6e-6,
+                             "train_step_overhead_s": 14.8e-3, "train_scored_token_overhead_s": 12.5e-6}},
     hbm_bytes=4 * GB,  # assumption: what a test run may use of the machine's RAM
-    hbm_bandwidth=5.5 * GB,  # probe: a streaming x * 2 over 64 MB
-    ici_bandwidth=5.5 * GB,  # devices of one process exchange through shared memory
+    hbm_bandwidth=8.7 * GB,  # probe: a streaming x * 2 over 64 MB
+    ici_bandwidth=8.7 * GB,  # devices of one process exchange through shared memory
     ici_domain_chips=1,  # assumption: one device per process; across processes is loopback "DCN"
-    dcn_bandwidth_per_chip=1.1 * GB,  # probe: 2-process all-reduce over loopback (gloo), 16 MB
+    dcn_bandwidth_per_chip=1.44 * GB,  # probe: 2-process all-reduce over loopback (gloo), 16 MB
     chips_per_host=1,
     ici_latency_s=10e-6,
-    dcn_latency_s=1.1e-3,  # probe: a 1 KB all-reduce across 2 processes, ~2.1 ms (2 hops)
-    pcie_bandwidth=5.5 * GB,  # host memory is device memory on CPU: a copy at memory speed
-    dispatch_s=3.5e-6,  # probe: a trivial jitted call, dispatched and waited on
+    dcn_latency_s=0.12e-3,  # probe: a 1 KB all-reduce across 2 processes, ~0.24 ms (2 hops)
+    pcie_bandwidth=8.7 * GB,  # host memory is device memory on CPU: a copy at memory speed
+    dispatch_s=4.8e-6,  # probe: a trivial jitted call, dispatched and waited on
     # locojax.modes.sc: one process owns every simulated host's devices and dispatches each host's
     # computation in turn from one Python thread, so a round trip is a local dispatch per host.
     controller_round_trip_s=50e-6,  # assumption
     controller_round_trip_per_host_s=50e-6,  # assumption
-    reward_cpu_scale=0.10,  # probe: the `#### N` parse takes ~0.34 us here vs REFERENCE_REGEX_PARSE_S
+    reward_cpu_scale=0.155,  # probe: the `#### N` parse takes ~0.5 us here vs REFERENCE_REGEX_PARSE_S
     ray_call_s=1e-3,  # assumption (not probed): one Ray actor round trip on this machine
     bytes_per_value=4,  # the CPU engine computes in float32 (ModelConfig default)
     train_flops_per_param_token=6.0,  # locojax.train: no remat; old log-probs come from the rollout

@@ -99,10 +99,12 @@ def measure_dispatch_latency(calls: int = 200) -> float:
 # presets at a few shapes and fits, per model width, the cost model's CPU terms against the FLOP
 # counts the cost model itself uses (`cost_model.train_flops`, `prefill_flops`, `decode_step_flops`):
 #     train    = train_step_overhead + param_flops * a + attention_flops * b
+#                + scored slots * train_scored_token_overhead     (vocabulary work on completion slots)
 #     generate = prefill (param * p + attention * p * b / a) + (n - 1) decode steps (param * a + attention * d)
 #                + n * (batch * decode_row_overhead + decode_step_overhead)
 # (decode's matmuls at training's rate a: what decode does besides is its per-row and per-step work;
-# prefill, a forward pass, at its own rate p, attention relative to it as in training).
+# prefill, a forward pass, at its own rate p, attention relative to it as in training). The fit is a
+# bounded, robust least squares, each kernel weighted by 1/sqrt(its time) (`fit_kernel_rates`).
 # Two layouts, as the modes use the machine:
 #   pinned      one process per core, each pinned to its core, all running at once (CO hosts, DA
 #               actors); a kernel's time is the slowest process's, as a lockstep step sees it;
@@ -111,11 +113,19 @@ def measure_dispatch_latency(calls: int = 200) -> float:
 # Shapes are per device: (sequences, prompt tokens, new tokens).
 
 PROBE_PRESETS = ("tiny", "small")
+# (sequences, prompt length, new tokens) per device. They span the steps of GRPO runs on a CPU: short
+# and long completions, and from one to eight of the engine's 8,192-slot CPU micro-batches. The step
+# time is not linear in the cost model's terms here (whether a step's attention scores stay in cache
+# changes with its size), so a fit from small kernels alone over-predicted 50k-slot steps by 20-30%.
 KERNEL_SHAPES: dict[str, dict[str, list[tuple[int, int, int]]]] = {
-    "tiny": {"train": [(32, 32, 32), (8, 96, 160), (64, 48, 16), (16, 64, 64), (128, 96, 8)],
-             "generate": [(16, 32, 32), (4, 96, 160), (64, 32, 8), (32, 64, 64), (128, 96, 2)]},
-    "small": {"train": [(8, 32, 32), (2, 96, 160), (16, 48, 16), (4, 64, 64), (16, 96, 8)],
-              "generate": [(4, 32, 32), (2, 96, 160), (16, 32, 8), (8, 64, 64), (16, 96, 2)]},
+    "tiny": {"train": [(32, 32, 32), (8, 96, 160), (64, 48, 16), (16, 64, 64), (128, 96, 8),
+                       (384, 64, 16), (24, 64, 224), (48, 128, 128), (640, 80, 16)],
+             "generate": [(16, 32, 32), (4, 96, 160), (64, 32, 8), (32, 64, 64), (128, 96, 2),
+                          (384, 64, 16), (24, 64, 224), (48, 128, 128)]},
+    "small": {"train": [(8, 32, 32), (2, 96, 160), (16, 48, 16), (4, 64, 64), (16, 96, 8),
+                        (96, 64, 16), (6, 64, 224), (12, 128, 128)],
+              "generate": [(4, 32, 32), (2, 96, 160), (16, 32, 8), (8, 64, 64), (16, 96, 2),
+                           (96, 64, 16), (6, 64, 224), (12, 128, 128)]},
 }
 KERNEL_REPEATS = 3
 WORKER_START_TIMEOUT_S = 600
@@ -410,23 +420,30 @@ class KernelProbe:
     def index(self, preset: str, kind: str, shape: tuple[int, int, int]) -> int:
         return self.kernels.index({"preset": preset, "kind": kind, "shape": list(shape)})
 
-    def time(self, index: int, repeats: int = KERNEL_REPEATS) -> dict[str, Any]:
-        """Kernel `index` run by every worker at once, `repeats` times: the medians over repeats of its
-        time on cores free of other work (`s`: the slowest worker's wall time over its own contention)
-        and of its wall time (`wall_s`), and every worker's (seconds, contention) per repeat (`reps`)."""
-        uncontended, wall, reps = [], [], []
-        for _ in range(repeats):
-            for worker in self.workers:
-                worker.stdin.write(json.dumps({"run": index}) + "\n")
-                worker.stdin.flush()
-            replies = [self._read(worker) for worker in self.workers]
-            reps.append([(r["t"], r["contention"]) for r in replies])
-            uncontended.append(kernel_uncontended_s(reps[-1]))
-            wall.append(max(r["t"] for r in replies))
-        return {"s": statistics.median(uncontended), "wall_s": statistics.median(wall), "reps": reps}
+    def run_once(self, index: int) -> list[tuple[float, float]]:
+        """Kernel `index` run once by every worker at once: each worker's (seconds, contention)."""
+        for worker in self.workers:
+            worker.stdin.write(json.dumps({"run": index}) + "\n")
+            worker.stdin.flush()
+        return [(r["t"], r["contention"]) for r in (self._read(worker) for worker in self.workers)]
+
+    @staticmethod
+    def summary(reps: list[list[tuple[float, float]]]) -> dict[str, Any]:
+        """The medians over repeats of a kernel's time on cores free of other work (`s`: the slowest
+        worker's wall time over its own contention) and of its wall time (`wall_s`), and the repeats."""
+        return {"s": statistics.median(kernel_uncontended_s(rep) for rep in reps),
+                "wall_s": statistics.median(max(t for t, _ in rep) for rep in reps), "reps": reps}
 
     def measure_all(self, repeats: int = KERNEL_REPEATS) -> list[dict[str, Any]]:
-        return [{**kernel, **self.time(i, repeats)} for i, kernel in enumerate(self.kernels)]
+        """Every kernel `repeats` times, in `repeats` passes over all of them rather than each kernel's
+        repeats in a row: this VM has slow spells of several seconds that the scheduler's accounting
+        does not show (one probe timed every rollout kernel 25-55% slow), and a spell that falls in
+        one pass then spoils one repeat of a few kernels, which their medians drop."""
+        reps: list[list[list[tuple[float, float]]]] = [[] for _ in self.kernels]
+        for _ in range(repeats):
+            for index in range(len(self.kernels)):
+                reps[index].append(self.run_once(index))
+        return [{**kernel, **self.summary(mine)} for kernel, mine in zip(self.kernels, reps)]
 
     def close(self) -> None:
         for worker in self.workers:
@@ -461,7 +478,7 @@ def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: 
     fitted matmuls at 15x the measured peak with attention at 0.7% of it.
     """
     import numpy as np
-    from scipy.optimize import lsq_linear
+    from scipy.optimize import least_squares, lsq_linear
 
     from locojax.model.config import PRESETS
     from locojax.placement.cost_model import ModelSize, decode_step_flops, prefill_flops, train_flops
@@ -471,7 +488,16 @@ def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: 
         a, y = np.asarray(rows, float), np.asarray(targets, float)
         scale = np.abs(a).max(axis=0)
         scale[scale == 0] = 1.0
-        fit = lsq_linear(a / scale / y[:, None], np.ones(len(y)), bounds=(np.asarray(lower) * scale, np.inf))
+        # Each kernel's error weighs 1/sqrt(its time): relative errors alone let the many short kernels
+        # (where fixed costs rule) outvote the long ones that real steps are made of; absolute errors
+        # alone would drop the short ones.
+        weight = (y * np.median(y)) ** -0.5
+        design, bounds = a / scale * weight[:, None], (np.asarray(lower) * scale, np.inf)
+        start = np.clip(lsq_linear(design, y * weight, bounds=bounds).x, bounds[0], np.inf)
+        # A robust loss: a kernel that ran through one of this VM's slow spells (which the scheduler's
+        # accounting does not show: 0.47 s against 0.33 s in the other probes) counts linearly
+        # beyond ~5% error instead of pulling the fit with its square.
+        fit = least_squares(lambda x: design @ x - y * weight, start, bounds=bounds, loss="soft_l1", f_scale=0.05)
         return list(fit.x / scale)
 
     fastest = cores / matmul_flops  # seconds per FLOP of one device's share of the measured matmul peak
@@ -484,10 +510,11 @@ def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: 
         for k in (k for k in mine if k["kind"] == "train"):
             batch, prompt_len, new_tokens = k["shape"]
             param, attention = train_flops(model, LOCAL_CPU, batch, prompt_len + new_tokens, new_tokens)
-            # attention's seconds per FLOP b = a + extra, extra >= 0
-            rows.append([1.0, param + attention, attention])
+            # attention's seconds per FLOP b = a + extra, extra >= 0; then the per-scored-slot work
+            # that is not a matmul (HardwareProfile.train_scored_token_overhead_s)
+            rows.append([1.0, param + attention, attention, batch * new_tokens])
             targets.append(k["s"])
-        train_fixed, a, extra = solve(rows, targets, [0.0, fastest, 0.0])
+        train_fixed, a, extra, per_scored = solve(rows, targets, [0.0, fastest, 0.0, 0.0])
         b = a + extra
         rows, targets = [], []
         for k in (k for k in mine if k["kind"] == "generate"):
@@ -519,6 +546,7 @@ def fit_kernel_rates(timings: list[dict[str, Any]], matmul_flops: float, cores: 
             "decode_row_overhead_s": row_s,
             "decode_step_overhead_s": step_s,
             "train_step_overhead_s": train_fixed,
+            "train_scored_token_overhead_s": per_scored,
         }
     return out
 

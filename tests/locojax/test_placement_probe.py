@@ -42,14 +42,14 @@ def test_fit_recovers_the_rates_it_was_generated_with():
     from locojax.placement.hardware import LOCAL_CPU
     from locojax.placement.probe import fit_kernel_rates, kernel_list
 
-    a, b, d, row, step, fixed, prefill = 1 / 30e9, 1 / 6e9, 1 / 9e9, 4e-6, 2e-5, 3e-3, 1 / 20e9
+    a, b, d, row, step, fixed, prefill, scored = 1 / 30e9, 1 / 6e9, 1 / 9e9, 4e-6, 2e-5, 3e-3, 1 / 20e9, 7e-6
     model = ModelSize.from_config(PRESETS["tiny"])
     timings = []
     for kernel in kernel_list(("tiny",)):
         batch, prompt_len, new_tokens = kernel["shape"]
         if kernel["kind"] == "train":
             param, attention = train_flops(model, LOCAL_CPU, batch, prompt_len + new_tokens, new_tokens)
-            seconds = fixed + a * param + b * attention
+            seconds = fixed + a * param + b * attention + scored * batch * new_tokens
         else:
             pf_param, pf_attention = prefill_flops(model, batch, prompt_len, prompt_len + new_tokens)
             dec_param, dec_attention = decode_step_flops(model, batch, prompt_len + new_tokens)
@@ -64,6 +64,7 @@ def test_fit_recovers_the_rates_it_was_generated_with():
     assert rates["decode_row_overhead_s"] == pytest.approx(row, rel=1e-3)
     assert rates["decode_step_overhead_s"] == pytest.approx(step, rel=1e-3)
     assert rates["train_step_overhead_s"] == pytest.approx(fixed, rel=1e-3)
+    assert rates["train_scored_token_overhead_s"] == pytest.approx(scored, rel=1e-3)
 
 
 def test_contention_counts_other_work_not_our_own_threads():
