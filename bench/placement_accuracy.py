@@ -69,6 +69,14 @@ def rel_error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured
 
 
+def mode_orders(measured: dict[str, float], predicted: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Modes fastest first, measured and per prediction variant, and whether each variant's order matches."""
+    measured_order = sorted(measured, key=measured.__getitem__)
+    orders = {name: sorted(steps, key=steps.__getitem__) for name, steps in predicted.items()}
+    return {"measured": measured_order, **orders,
+            "match": {name: order == measured_order for name, order in orders.items()}}
+
+
 def observation(run: dict[str, Any]):
     from locojax.placement.calibration import MeasuredRun, observation_for_run
 
@@ -229,13 +237,13 @@ def main() -> None:
     if args.from_raw:
         raw = json.loads(args.from_raw.read_text(encoding="utf-8"))
         probes, runs, probe_s = raw.get("probes") or [raw["probe"]], raw["runs"], raw["probe_s"]
-        from locojax.placement.probe import kernel_uncontended_s, profile_from_measurements, span_contention
+        from locojax.placement.probe import KernelProbe, profile_from_measurements, span_contention
 
         for probe in probes:
             for layout in ("pinned", "controller"):  # re-derive with the current code
                 for kernel in probe["measurements"].get(f"kernels_{layout}", []):
                     if kernel.get("reps"):
-                        kernel["s"] = statistics.median(kernel_uncontended_s(rep) for rep in kernel["reps"])
+                        kernel["s"] = KernelProbe.summary(kernel["reps"])["s"]
             probe["profile"] = profile_from_measurements(probe["measurements"], raw["cores"])
         for run in runs:
             if run.get("schedstat"):
@@ -307,11 +315,9 @@ def main() -> None:
             mine = [r for r in results if r["round"] == round_index and r["workload"] == workload]
             if not mine:
                 continue
-            measured_order = [r["mode"] for r in sorted(mine, key=lambda r: r["measured_step_s"])]
-            orders = {name: [r["mode"] for r in sorted(mine, key=lambda r: r[name]["step_s"])] for name in variants}
             ranking[f"round{round_index}/{workload}"] = {
-                "measured": measured_order, **{name: order for name, order in orders.items()},
-                "match": {name: order == measured_order for name, order in orders.items()},
+                **mode_orders({r["mode"]: r["measured_step_s"] for r in mine},
+                              {name: {r["mode"]: r[name]["step_s"] for r in mine} for name in variants}),
                 "measured_step_s": {r["mode"]: r["measured_step_s"] for r in mine}}
 
     # The benchmark's own figure (bench/coordination.py): per workload and mode, the median over rounds of
@@ -330,11 +336,10 @@ def main() -> None:
                 per_mode[mode] = {"measured_step_s": measured, "rounds": len(mine), **{
                     name: {"step_s": step_s, "rel_error": rel_error(step_s, measured)}
                     for name, step_s in predicted.items()}}
-        measured_order = sorted(per_mode, key=lambda mode: per_mode[mode]["measured_step_s"])
-        orders = {name: sorted(per_mode, key=lambda mode: per_mode[mode][name]["step_s"]) for name in variants}
-        benchmark[workload] = {"measured": measured_order, **orders,
-                               "match": {name: order == measured_order for name, order in orders.items()},
-                               "modes": per_mode}
+        benchmark[workload] = {
+            **mode_orders({mode: v["measured_step_s"] for mode, v in per_mode.items()},
+                          {name: {mode: v[name]["step_s"] for mode, v in per_mode.items()} for name in variants}),
+            "modes": per_mode}
 
     # Every pair of modes: is the predicted faster one the measured faster one, and by how much do they
     # differ? (An order among modes a few % apart is decided by noise: see round_to_round_spread.)
