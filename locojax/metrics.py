@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 import jax
 import numpy as np
 
-Aggregation = Literal["mean", "max", "sum", "min"]
+Aggregation = Literal["mean", "max", "sum", "min", "ratio"]
 Split = Literal["device", "network"]
 Host = int | str  # a process index, or ALL_HOSTS for the aggregate
 ALL_HOSTS = "all"
@@ -40,6 +40,9 @@ class MetricInfo:
 
 
 METRICS: dict[str, MetricInfo] = {}
+# A "ratio" metric's (numerator, denominator) metric names: across hosts it is sum(numerator) /
+# sum(denominator), so H hosts report exactly what one host would on the same items.
+RATIO_PARTS: dict[str, tuple[str, str]] = {}
 
 
 def _define(name: str, unit: str, across_hosts: Aggregation, description: str) -> str:
@@ -103,6 +106,23 @@ COMPLETION_CLIPPED_FRAC = _define(
 DA_STALENESS = _define("da/staleness", "steps", "max", "policy versions between sampling and training (<= 1)")
 DA_ROLLOUT_IDLE = _define("da/rollout_idle", "s", "mean", "rollout hosts waiting for new weights")
 DA_TRAIN_IDLE = _define("da/train_idle", "s", "mean", "train hosts waiting for a rollout batch")
+
+
+# --- held-out evaluation (locojax.evaluate). Hosts evaluate disjoint shards of the held-out prompts;
+# their counts are summed and the ratios recomputed from the sums, never averaged. Recorded in step
+# t's record they describe the policy step t started from (t updates applied); the evaluation after
+# the last step is a record of its own at step = steps.
+EVAL_PROMPTS = _define("eval/prompts", "prompts", "sum", "held-out prompts evaluated")
+EVAL_CORRECT = _define("eval/correct", "prompts", "sum", "held-out prompts the greedy completion answers right")
+EVAL_PASS_CORRECT = _define(
+    "eval/pass@k_correct", "prompts", "sum", "held-out prompts with a right answer among the k attempts")
+EVAL_ACCURACY = _define("eval/accuracy", "", "ratio", "eval/correct / eval/prompts: greedy accuracy")
+EVAL_PASS_AT_K = _define(
+    "eval/pass@k", "", "ratio", "eval/pass@k_correct / eval/prompts: right in at least one of k attempts "
+    "(the greedy completion and k-1 samples at eval.temperature)")
+EVAL_TIME = _define("time/eval", "s", "max", "wall time of one evaluation (outside time/step)")
+RATIO_PARTS[EVAL_ACCURACY] = (EVAL_CORRECT, EVAL_PROMPTS)
+RATIO_PARTS[EVAL_PASS_AT_K] = (EVAL_PASS_CORRECT, EVAL_PROMPTS)
 
 
 def across_hosts(name: str) -> Aggregation:
@@ -270,9 +290,10 @@ def aggregate_hosts(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """One record from per-host records, each metric reduced as `across_hosts(name)` says.
 
     A metric missing on some hosts is reduced over the hosts that have it. Keys `step`/`host` are
-    not metrics and are dropped.
+    not metrics and are dropped. A ratio metric is recomputed from its summed parts (`RATIO_PARTS`);
+    without them on every host that has it, it falls back to the mean.
     """
-    reducers = {"mean": np.mean, "max": np.max, "sum": np.sum, "min": np.min}
+    reducers = {"mean": np.mean, "max": np.max, "sum": np.sum, "min": np.min, "ratio": np.mean}
     names: dict[str, None] = {}
     for record in records:
         names.update(dict.fromkeys(k for k in record if k not in ("step", "host")))
@@ -281,6 +302,11 @@ def aggregate_hosts(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
         values = [float(r[name]) for r in records if name in r and r[name] is not None]
         if values:
             out[name] = float(reducers[across_hosts(name)](values))
+    for name, (numerator, denominator) in RATIO_PARTS.items():
+        having = [r for r in records if name in r]
+        if having and all(numerator in r and denominator in r for r in having):
+            total = sum(float(r[denominator]) for r in having)
+            out[name] = sum(float(r[numerator]) for r in having) / total if total else float("nan")
     return out
 
 

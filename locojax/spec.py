@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Mode = Literal["co", "da", "sc"]
+# Tasks read from a local file (task.path); the others are generated from an index.
+FILE_TASKS = ("gsm8k", "math")
 Kind = Literal["grpo", "sft"]
 
 
@@ -49,7 +51,7 @@ class TaskSpec(_Strict):
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> "TaskSpec":
-        if self.name in ("gsm8k", "math") and not self.path:
+        if self.name in FILE_TASKS and not self.path:
             raise ValueError(f"task.path is required for task {self.name!r} (a local JSONL or parquet file)")
         if self.difficulty == 0 and self.name != "arith":
             raise ValueError(f"task.difficulty 0 exists for arith only; {self.name!r} starts at 1")
@@ -129,6 +131,30 @@ class CheckpointSpec(_Strict):
     dir: str | None = Field(None, max_length=4096, description="default: <output_dir>/checkpoints")
 
 
+class EvalSpec(_Strict):
+    """Held-out evaluation during training (CO GRPO runs) and by `locojax eval`.
+
+    The held-out prompts are never trained on: for generated tasks they come from indices past the
+    task's training range, for file tasks from `path` or a seeded share of `task.path`, and in both
+    cases a training example whose prompt text equals a held-out prompt is skipped
+    (`locojax.tasks.held_out`).
+    """
+
+    every: int = Field(20, ge=0, le=10_000_000, description=(
+        "evaluate at the start of every N-th step (step 0 included) and after the last step; "
+        "0: only before the first and after the last step"))
+    prompts: int = Field(64, ge=1, le=65536, description="held-out prompts per evaluation (at most the file's)")
+    k: int = Field(4, ge=1, le=1024, description="samples per prompt for eval/pass@k")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="sampling temperature of the pass@k samples "
+                               "(eval/accuracy is greedy)")
+    reward: list[str] | None = Field(None, max_length=8, description=(
+        "the rewards that decide correctness (a completion is right when each gives full credit, 1.0); "
+        "default: the task's own, not task.reward (training rewards may add shaping)"))
+    path: str | None = Field(None, max_length=4096, description=(
+        "file tasks only: a held-out JSONL/parquet in task.path's format (e.g. GSM8K's test split); "
+        "default: a seeded share of task.path held out from training"))
+
+
 class RunSpec(_Strict):
     name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     kind: Kind = Field(
@@ -149,6 +175,24 @@ class RunSpec(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     output_dir: str | None = Field(None, max_length=4096, description="default: runs/<name>")
     max_restarts: int = Field(2, ge=0, le=100)
+    eval: EvalSpec | None = Field(None, description="held-out evaluation; GRPO runs in CO mode only")
+
+    @model_validator(mode="after")
+    def _eval_where_supported(self) -> "RunSpec":
+        if self.eval is None:
+            return self
+        # SC and DA would need their own shard plumbing; one mode that evaluates honestly beats three.
+        if self.kind != "grpo" or self.placement.mode != "co":
+            raise ValueError(f"eval applies to GRPO runs in CO mode only (this spec: kind {self.kind!r}, "
+                             f"placement.mode {self.placement.mode!r}); remove the eval block or use "
+                             "`locojax eval SPEC --checkpoint DIR` on a saved model")
+        if self.eval.prompts % self.placement.hosts:
+            raise ValueError(f"eval.prompts ({self.eval.prompts}) must be divisible by placement.hosts "
+                             f"({self.placement.hosts}): every host evaluates an equal shard")
+        if self.eval.path is not None and self.task.name not in FILE_TASKS:
+            raise ValueError(f"eval.path applies to file tasks ({', '.join(FILE_TASKS)}); task {self.task.name!r} "
+                             "is generated and holds its evaluation prompts out by index")
+        return self
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "RunSpec":

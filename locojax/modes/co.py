@@ -8,6 +8,9 @@ Every host runs this same loop as its own Python process (multi-controller). Per
   5. contributes its rows to the global batch (`jax.make_array_from_process_local_data`) for one
      jitted SPMD train step on the global mesh, whose gradient all-reduce is the only collective;
   6. reports metrics (gathered so host 0 writes per-host and aggregate records) and checkpoints.
+With an eval block, steps it names start with a held-out evaluation (locojax.evaluate), outside the
+step's timers: each host evaluates its shard, and the counts travel in the step's metrics gather;
+one more evaluation follows the last step, recorded at step = steps.
 With one process there is no `jax.distributed` at all; the same code runs on the local devices.
 """
 
@@ -21,6 +24,7 @@ import jax
 import numpy as np
 
 from locojax import metrics as m
+from locojax.evaluate import eval_rewards, evaluation_due
 from locojax.modes.common import (
     HostRollout,
     RolloutRunner,
@@ -41,6 +45,7 @@ from locojax.modes.run_files import (
 )
 from locojax.rollout import rollout_key
 from locojax.spec import RunSpec
+from locojax.tasks import host_slice
 from locojax.train import make_logprobs_fn
 
 CANCEL_KEY = "control/cancel"
@@ -70,6 +75,14 @@ def run_co(
         reference_params = to_local(trainer.reference_params, runner.replicated)
         reference_logprobs = make_logprobs_fn(trainer.policy.graphdef, train_temperature(spec))
 
+    evaluator = None
+    if spec.eval is not None:
+        from locojax.evaluate import Evaluator
+
+        first, shard = host_slice(trainer.held_out, host, num_hosts)
+        evaluator = Evaluator(spec, spec.eval, trainer.policy, shard, eval_rewards(spec.eval, trainer.task), first,
+                              jax.local_devices())
+
     logger = make_logger(spec, out, host, trainer.start_step, console, extra_sinks)
     timer = m.PhaseTimer()
     where = HostStatus(out, host)
@@ -77,6 +90,10 @@ def run_co(
     status, steps_done, combined = "succeeded", trainer.start_step, {}
     try:
         for step in range(trainer.start_step, spec.steps):
+            evaluation = {}
+            if evaluator is not None and evaluation_due(spec.eval, step):
+                where(step, "eval")
+                evaluation = evaluator.timed(trainer.state.params)
             with timer.step():
                 where(step, "rollout")
                 with timer.phase(m.TIME_ROLLOUT):
@@ -109,6 +126,7 @@ def run_co(
                           **jax.device_get(train_metrics)}
                 record[CHECKSUM_KEY] = params_checksum(trainer.state.params)
                 record[CANCEL_KEY] = float(cancel_requested(cancel_file))
+                record.update(evaluation)  # every host evaluates at the same steps: the names agree
                 with timer.network():
                     # Host 0 needs every host's record; the gather doubles as the agreement on
                     # cancellation, so all hosts stop after the same step.
@@ -126,6 +144,11 @@ def run_co(
                 status = "cancelled"
                 trainer.checkpoint(spec, force=True)
                 break
+        if evaluator is not None and status == "succeeded":
+            where(spec.steps, "eval")
+            evaluated = m.gather_host_metrics(evaluator.timed(trainer.state.params))
+            final = logger.log_hosts(spec.steps, evaluated) if host == 0 else m.aggregate_hosts(evaluated)
+            combined = {**combined, **final}
         trainer.checkpoints.wait_until_finished()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -34,7 +34,7 @@ from locojax.tasks import Example, Task, host_shard, repeat_examples, reward_nam
 from locojax.tokenizer import Tokenizer, load_tokenizer
 from locojax.checkpoint import Checkpointer
 from locojax.model.sharding import batch_sharding, make_mesh, shard_state
-from locojax.tasks import make_task
+from locojax.tasks import load_task_data
 from locojax.train import (
     TrainState,
     init_train_state,
@@ -188,6 +188,8 @@ class Trainer:
     # The frozen KL reference (kl_coef > 0 only): the run's *starting* policy, copied before any
     # restore, so a resumed run penalises against the same policy as a straight one.
     reference_params: nnx.State | None = None
+    # The spec's eval block's held-out examples, none of whose prompts `task` ever yields.
+    held_out: tuple[Example, ...] = ()
 
     def global_batch(self, host_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> the global batch sharded over the mesh's data axis."""
@@ -223,7 +225,9 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
     else:
         train_step = make_train_step(policy.graphdef, optimizer, spec.algo, temperature=train_temperature(spec),
                                      mesh=mesh)
-    return Trainer(policy, make_task(spec.task), mesh, state, train_step, checkpoints, start_step, reference_params)
+    data = load_task_data(spec.task, spec.eval)
+    return Trainer(policy, data.train, mesh, state, train_step, checkpoints, start_step, reference_params,
+                   data.held_out)
 
 
 def train_temperature(spec: RunSpec) -> float:

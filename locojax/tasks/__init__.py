@@ -25,6 +25,7 @@ from locojax.tasks.base import (
 )
 from locojax.tasks.countdown import CountdownTask
 from locojax.tasks.gsm8k import GSM8KTask
+from locojax.tasks.held_out import TaskData, held_out_split, host_slice, load_task_data
 from locojax.tasks.math import MathTask
 
 TASKS: Registry[Callable[[TaskSpec], Task]] = Registry("task")
@@ -55,5 +56,6 @@ def reward_names(spec: TaskSpec, task: Task) -> tuple[str, ...]:
 __all__ = [
     "TASKS", "Example", "Task", "DataFormatError", "make_task", "reward_names", "global_batch", "host_shard",
     "batch_indices", "repeat_examples", "ArithTask", "CountdownTask", "GSM8KTask", "MathTask",
-    "GSM8K_FORMAT", "BOXED_FORMAT", "ANSWER_TAG_FORMAT",
+    "GSM8K_FORMAT", "BOXED_FORMAT", "ANSWER_TAG_FORMAT", "TaskData", "held_out_split", "host_slice",
+    "load_task_data",
 ]

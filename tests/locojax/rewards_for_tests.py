@@ -28,3 +28,9 @@ def sleep_100ms_per_tiny_step(completion: str, example) -> float:
     with _sleep_lock:
         time.sleep(0.1 / 8)
     return 0.0
+
+
+def even_length(completion: str, example) -> float:
+    """Full credit for a completion of even length: about half of a random model's, so evaluation
+    tests see accuracies strictly between 0 and 1 (a task reward would give a random model 0)."""
+    return 1.0 if len(completion) % 2 == 0 else 0.0
