@@ -1,4 +1,4 @@
-"""Engine commands of the `locojax` CLI: train, host, launch, sft, demo.
+"""Engine commands of the `locojax` CLI: train, host, launch, sft, eval, demo.
 
 JAX is imported inside each command: the number of CPU devices per process must be set before JAX
 starts, and `locojax --help` should not pay for it.
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
 from locojax.spec import RunSpec, SpecError, load_spec, parse_spec
 
@@ -24,6 +25,20 @@ SpecArg = typer.Argument(..., exists=False, help="run spec (YAML); see examples/
 def _load(path: Path) -> RunSpec:
     try:
         return load_spec(path)
+    except SpecError as exc:
+        typer.secho(str(exc), fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
+def _check_data(spec: RunSpec, source: Path) -> None:
+    """Read the spec's data files now, so a missing or malformed one is one line naming the field
+    (`task.path`, `eval.path`) and exit 2, like any spec error, not a traceback from deep in a run."""
+    if not spec.task.path and not (spec.eval and spec.eval.path):
+        return  # generated tasks have no file to get wrong
+    from locojax.tasks import load_task_data
+
+    try:
+        load_task_data(spec.task, spec.eval, str(source))
     except SpecError as exc:
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(2) from None
@@ -61,6 +76,7 @@ def train(
                  if v is not None}
     if overrides:
         spec = _with(spec, **overrides)
+    _check_data(spec, spec_path)
     placement = spec.placement
     if spec.kind == "grpo" and placement.mode == "co" and placement.hosts > 1:
         _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file)
@@ -97,6 +113,7 @@ def host(
         typer.secho(f"{spec_path}: placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), "
                     f"but this host was started as one of --num-processes {num_processes}", fg="red", err=True)
         raise typer.Exit(2)
+    _check_data(spec, spec_path)
     configure_jax(devices_per_host)
     import jax
 
@@ -181,6 +198,7 @@ def sft(
     if out is not None:
         overrides["output_dir"] = str(out)
     spec = _with(spec, **overrides)
+    _check_data(spec, spec_path)
     configure_jax(spec.placement.devices_per_host)
     from locojax import metrics as m
     from locojax.sft import export_dir, run_sft
@@ -188,6 +206,63 @@ def sft(
     result = run_sft(spec, resume=resume, console=not quiet)
     loss = result.final_metrics.get(m.LOSS_SFT, float("nan"))
     typer.echo(f"sft: {result.status}, loss {loss:.4f} after {result.steps_done} steps -> {export_dir(spec)}")
+
+
+def eval_command(
+    spec_path: Path = SpecArg,
+    checkpoint: Path = typer.Option(..., help="a saved model: a HF directory (config.json + safetensors, e.g. "
+                                    "<output_dir>/model of an SFT run) or an Orbax checkpoint directory "
+                                    "(<output_dir>/checkpoints of a run; its latest step)"),
+    prompts: Optional[int] = typer.Option(None, help="override eval.prompts"),
+    k: Optional[int] = typer.Option(None, help="override eval.k"),
+) -> None:
+    """Evaluate a saved model on the spec's held-out prompts (its eval block, or the defaults): greedy
+    accuracy and pass@k, in this process on placement.devices_per_host devices."""
+    from locojax.spec import EvalSpec
+
+    spec = _load(spec_path)
+    overrides = {k_: v for k_, v in {"prompts": prompts, "k": k}.items() if v is not None}
+    try:
+        eval_spec = EvalSpec.model_validate({**(spec.eval or EvalSpec()).model_dump(), **overrides})
+    except ValidationError as exc:
+        errors = [(".".join(["eval", *map(str, err["loc"])]), err["msg"]) for err in exc.errors()]
+        typer.secho(str(SpecError(errors, "command-line overrides")), fg="red", err=True)
+        raise typer.Exit(2) from None
+    if not checkpoint.is_dir():
+        typer.secho(f"--checkpoint: {checkpoint} is not a directory", fg="red", err=True)
+        raise typer.Exit(2)
+    from locojax.tasks import load_task_data
+
+    try:
+        data = load_task_data(spec.task, eval_spec, str(spec_path))
+    except SpecError as exc:
+        typer.secho(str(exc), fg="red", err=True)
+        raise typer.Exit(2) from None
+    configure_jax(spec.placement.devices_per_host)
+    import jax
+
+    from locojax import metrics as m
+    from locojax.evaluate import Evaluator, eval_rewards
+    from locojax.modes.common import load_policy
+
+    hf = (checkpoint / "config.json").is_file()
+    model = {**spec.model.model_dump(), **({"checkpoint": str(checkpoint)} if hf else {"checkpoint": None})}
+    policy = load_policy(_with(spec, model=model, eval=None))
+    if not hf:
+        from locojax.checkpoint import load_params
+
+        orbax = checkpoint / "checkpoints" if (checkpoint / "checkpoints").is_dir() else checkpoint
+        try:
+            policy.params = load_params(orbax, policy.params)
+        except FileNotFoundError as exc:
+            typer.secho(f"--checkpoint: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
+    evaluator = Evaluator(spec, eval_spec, policy, data.held_out, eval_rewards(eval_spec, data.train), 0,
+                          jax.local_devices())
+    result = evaluator.timed(policy.params)
+    typer.echo(f"{m.EVAL_ACCURACY} {result[m.EVAL_ACCURACY]:.4f}  {m.EVAL_PASS_AT_K.replace('@k', f'@{eval_spec.k}')} "
+               f"{result[m.EVAL_PASS_AT_K]:.4f}  on {int(result[m.EVAL_PROMPTS])} held-out {spec.task.name} prompts "
+               f"({checkpoint}; {result[m.EVAL_TIME]:.1f} s)")
 
 
 def demo(
@@ -211,6 +286,7 @@ def register(app: typer.Typer) -> None:
     app.command("host")(host)
     app.command("launch")(launch_command)
     app.command("sft")(sft)
+    app.command("eval")(eval_command)
     app.command("demo")(demo)
 
 

@@ -42,6 +42,9 @@ SFT_LR = 1e-3
 GRPO_STEPS = 200
 GRPO_LR = 1e-4
 GRPO_WARMUP = 10
+# Held-out greedy accuracy and pass@4 before GRPO (step 0, the SFT model), every 50 steps and after the
+# last: 128 prompts x (1 greedy + 3 samples) cost about as much as two GRPO rollouts.
+DEMO_EVAL = {"every": 50, "prompts": 128, "k": 4}
 
 
 def demo_specs(out: Path, grpo_steps: int = GRPO_STEPS, seed: int = 0,
@@ -65,6 +68,7 @@ def demo_specs(out: Path, grpo_steps: int = GRPO_STEPS, seed: int = 0,
         "optim": {"lr": GRPO_LR, "warmup_steps": GRPO_WARMUP, "decay": "constant"},
         "steps": grpo_steps, "output_dir": str(out / "grpo"),
         "checkpoint": {"every": 50, "keep": 1},
+        "eval": DEMO_EVAL,
     })
     return sft, grpo
 
@@ -75,7 +79,7 @@ def plot_rewards(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in records if r.get("host") == m.ALL_HOSTS]
+    rows = [r for r in records if r.get("host") == m.ALL_HOSTS and m.REWARD_MEAN in r]  # not eval-only rows
     steps = [r["step"] for r in rows]
     rewards = [r[m.REWARD_MEAN] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -109,6 +113,22 @@ def reward_summary(rewards: Sequence[float], png: Path, metrics_path: Path | Non
     return f"GRPO reward first 10 steps {first:.3f} -> last 10 steps {last:.3f} ({last - first:+.3f}); plot: {png}"
 
 
+def eval_summary(steps: Sequence[int], accuracy: Sequence[float], pass_at_k: Sequence[float], k: int) -> str:
+    """Held-out accuracy and pass@k of the first evaluation (before GRPO) and the last (after it)."""
+    if not steps:
+        return "no held-out evaluation recorded"
+    return (f"held-out eval ({DEMO_EVAL['prompts']} prompts) before GRPO (step {steps[0]}): accuracy "
+            f"{accuracy[0]:.3f}, pass@{k} {pass_at_k[0]:.3f} -> after (step {steps[-1]}): accuracy {accuracy[-1]:.3f} "
+            f"({accuracy[-1] - accuracy[0]:+.3f}), pass@{k} {pass_at_k[-1]:.3f}")
+
+
+def eval_series(records: Sequence[dict]) -> tuple[list[int], list[float], list[float]]:
+    """(steps, eval/accuracy, eval/pass@k) of a run's aggregate records, in step order."""
+    rows = sorted((r for r in records if r.get("host") == m.ALL_HOSTS and r.get(m.EVAL_ACCURACY) is not None),
+                  key=lambda r: r["step"])
+    return [r["step"] for r in rows], [r[m.EVAL_ACCURACY] for r in rows], [r[m.EVAL_PASS_AT_K] for r in rows]
+
+
 def run_demo(out: Path, console: bool = True, sft_steps: int = SFT_STEPS, grpo_steps: int = GRPO_STEPS,
              seed: int = 0) -> str:
     from locojax.modes.co import run_co
@@ -124,7 +144,8 @@ def run_demo(out: Path, console: bool = True, sft_steps: int = SFT_STEPS, grpo_s
     grpo = run_co(grpo_spec, console=console)
     total_s = time.perf_counter() - start
     records = m.read_jsonl(Path(grpo_spec.output_dir) / "metrics.jsonl")
-    rewards = [r[m.REWARD_MEAN] for r in records if r.get("host") == m.ALL_HOSTS]
+    rewards = [r[m.REWARD_MEAN] for r in records if r.get("host") == m.ALL_HOSTS and m.REWARD_MEAN in r]
     summary = reward_summary(rewards, out / "reward.png", Path(grpo_spec.output_dir) / "metrics.jsonl")
+    evaluated = eval_summary(*eval_series(records), grpo_spec.eval.k)
     return (f"sft loss {sft.final_metrics.get(m.LOSS_SFT, float('nan')):.3f} in {sft_s:.0f} s; {summary}; "
-            f"GRPO {(total_s - sft_s) / max(1, grpo.steps_done):.2f} s/step; total {total_s:.0f} s")
+            f"{evaluated}; GRPO {(total_s - sft_s) / max(1, grpo.steps_done):.2f} s/step; total {total_s:.0f} s")

@@ -169,7 +169,7 @@ def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, o
     Each demo writes a directory of its own under the runs root: a second `make demo` must not find
     (and relay, or resume from) the first one's metrics and checkpoints.
     """
-    from locojax.demo import demo_specs, reward_summary
+    from locojax.demo import demo_specs, eval_summary, reward_summary
 
     out = out or Path(plane.settings.runs_root) / time.strftime("demo-%Y%m%d-%H%M%S")
     sft_spec, grpo_spec = demo_specs(out)
@@ -191,6 +191,13 @@ def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, o
             if final["status"] != "SUCCEEDED":
                 echo(f"run {run['id']} ended {final['status']}: {final.get('status_reason')}")
                 return
-        history = client.metric_history(final["id"], ["reward/mean"], max_points=10_000)["series"]
-        rewards = history[0]["last"] if history else []
+        keys = ["reward/mean", "eval/accuracy", "eval/pass@k"]
+        history = {series["key"]: series for series in
+                   client.metric_history(final["id"], keys, max_points=10_000)["series"]}
+        rewards = history["reward/mean"]["last"] if "reward/mean" in history else []
         echo(reward_summary(rewards, out / "reward.png", Path(grpo_spec.output_dir or out) / "metrics.jsonl"))
+        accuracy, pass_at_k = history.get("eval/accuracy"), history.get("eval/pass@k")
+        if accuracy and pass_at_k:
+            echo(eval_summary(accuracy["steps"], accuracy["last"], pass_at_k["last"], grpo_spec.eval.k))
+        else:
+            echo(eval_summary([], [], [], grpo_spec.eval.k))

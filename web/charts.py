@@ -30,6 +30,8 @@ class Chart:
 # The run page, in reading order: is it learning, is it stable, what does it cost.
 RUN_CHARTS: tuple[Chart, ...] = (
     Chart("reward", "Reward (mean)", ("reward/mean",)),
+    # Held-out prompts (the spec's eval block): greedy accuracy and pass@k, every eval.every steps.
+    Chart("eval", "Held-out evaluation", ("eval/accuracy", "eval/pass@k")),
     Chart("loss", "Loss", ("loss/total", "loss/policy")),
     Chart("kl", "KL to the reference policy", ("loss/kl",)),
     Chart("completion", "Completion length", ("completion/len_mean",), unit="tokens"),

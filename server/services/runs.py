@@ -158,6 +158,7 @@ def check_paths(spec: RunSpec, settings: Settings) -> None:
     read_roots = [*settings.data_roots, settings.runs_root]
     checks = [
         ("spec.task.path", spec.task.path, read_roots),
+        ("spec.eval.path", spec.eval.path if spec.eval else None, read_roots),
         ("spec.model.checkpoint", spec.model.checkpoint, read_roots),
         ("spec.model.tokenizer", spec.model.tokenizer, read_roots),
         ("spec.output_dir", spec.output_dir, [settings.runs_root]),
@@ -187,13 +188,33 @@ def check_names(spec: RunSpec) -> None:
     if spec.task.name not in TASKS:
         errors.append({"field": "spec.task.name",
                        "message": f"unknown task {spec.task.name!r}; known: {', '.join(TASKS.names())}"})
-    for index, name in enumerate(spec.task.reward or []):
+    named = [(f"spec.task.reward.{index}", name) for index, name in enumerate(spec.task.reward or [])]
+    named += [(f"spec.eval.reward.{index}", name) for index, name in enumerate(spec.eval.reward or [] if spec.eval else [])]
+    for field, name in named:
         if name not in REWARDS and not _REWARD_IMPORT_PATH.match(name):
-            errors.append({"field": f"spec.task.reward.{index}",
+            errors.append({"field": field,
                            "message": f"unknown reward {name!r}; known: {', '.join(REWARDS.names())}, "
                                       "or package.module:function"})
     if errors:
         raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="UNKNOWN_NAME", details=errors)
+
+
+def check_data(spec: RunSpec) -> None:
+    """Read the spec's data files when this server can see all of them (the embedded case, or a data root
+    mounted here too): a missing record field is a 422 naming `spec.task.path` (or `spec.eval.path`) now,
+    not a run that fails on its hosts. A file the server cannot see may exist on the hosts, so it passes."""
+    paths = [path for path in (spec.task.path, spec.eval.path if spec.eval else None) if path]
+    if not paths or not all(os.path.isfile(path) for path in paths):
+        return
+    from locojax.spec import SpecError
+    from locojax.tasks import load_task_data
+
+    try:
+        load_task_data(spec.task, spec.eval)
+    except SpecError as exc:
+        errors = [{"field": f"spec.{field}", "message": message} for field, message in exc.errors]
+        raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="INVALID_DATA",
+                                details=errors) from None
 
 
 def create(session: Session, spec: RunSpec, settings: Settings, *, idempotency_key: str | None = None,
@@ -206,6 +227,7 @@ def create(session: Session, spec: RunSpec, settings: Settings, *, idempotency_k
             return _replay(existing, digest), False
     check_paths(spec, settings)
     check_names(spec)
+    check_data(spec)
     decision_id = spec.placement.decision_id
     if decision_id is not None and session.get(PlacementDecision, decision_id) is None:
         raise InvalidInputError.for_field("spec.placement.decision_id", f"placement decision {decision_id} not found",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -95,11 +96,60 @@ def test_paths_inside_the_roots_are_accepted(client, submitter):
     ({"name": "no-such-task"}, "spec.task.name"),
     ({"name": "arith", "reward": ["format", "no_such_reward"]}, "spec.task.reward.1"),
     ({"name": "arith", "reward": ["../../etc/passwd"]}, "spec.task.reward.0"),
+    ({"name": "arith", "eval": {"reward": ["gsm8k", "no_such_reward"]}}, "spec.eval.reward.1"),
 ])
 def test_unknown_task_and_reward_names_are_422_naming_the_field(client, db, submitter, task, field):
-    error = assert_error(client.post("/api/v1/runs", json={"spec": {"name": "names", "task": task}},
+    task = dict(task)
+    extra = {"eval": task.pop("eval")} if "eval" in task else {}
+    error = assert_error(client.post("/api/v1/runs", json={"spec": {"name": "names", "task": task, **extra}},
                                      headers=submitter), 422, "UNKNOWN_NAME")
     assert [item["field"] for item in error["details"]] == [field]
+    assert _run_count(db) == 0
+
+
+@pytest.mark.parametrize(("lines", "needle"), [
+    ('{"question": "How many?", "answer": "2+1=3\\n#### 3"}\n{"question": "And now?"}\n', "line 2: field 'answer'"),
+    ('{"question": "How many?", "answer": "no final line"}\n', "line 1: field 'answer'"),
+    ("not json\n", "line 1: not valid JSON"),
+])
+def test_a_malformed_data_file_the_server_can_see_is_422_naming_spec_task_path(client, db, submitter, lines, needle):
+    data = Path(db_settings_data_file(client)).with_name("malformed.jsonl")
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text(lines, encoding="utf-8")
+    spec = {"name": "data", "task": {"name": "gsm8k", "path": str(data)}}
+    error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "INVALID_DATA")
+    assert [item["field"] for item in error["details"]] == ["spec.task.path"]
+    assert needle in error["message"] and str(data) in error["message"]
+    assert _run_count(db) == 0
+
+
+def test_a_malformed_eval_file_is_422_naming_spec_eval_path(client, db, submitter):
+    root = Path(db_settings_data_file(client)).parent
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.jsonl").write_text('{"question": "How many?", "answer": "#### 3"}\n', encoding="utf-8")
+    (root / "test.jsonl").write_text('{"question": "How many?"}\n', encoding="utf-8")
+    spec = {"name": "data", "task": {"name": "gsm8k", "path": str(root / "train.jsonl")},
+            "eval": {"path": str(root / "test.jsonl"), "prompts": 2}}
+    error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "INVALID_DATA")
+    assert [item["field"] for item in error["details"]] == ["spec.eval.path"]
+    assert _run_count(db) == 0
+
+
+def test_a_well_formed_data_file_with_an_eval_block_is_accepted(client, submitter):
+    root = Path(db_settings_data_file(client)).parent
+    root.mkdir(parents=True, exist_ok=True)
+    lines = "".join(f'{{"question": "What is {i}+1?", "answer": "{i}+1={i + 1}\\n#### {i + 1}"}}\n' for i in range(6))
+    (root / "good.jsonl").write_text(lines, encoding="utf-8")
+    spec = {"name": "data", "task": {"name": "gsm8k", "path": str(root / "good.jsonl")}, "eval": {"prompts": 2}}
+    response = client.post("/api/v1/runs", json={"spec": spec}, headers=submitter)
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["eval"]["prompts"] == 2
+
+
+def test_an_eval_block_outside_co_grpo_is_422_naming_it(client, db, submitter):
+    spec = {"name": "sc-eval", "placement": {"mode": "sc", "hosts": 2}, "eval": {"prompts": 4}}
+    error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "VALIDATION_ERROR")
+    assert "eval applies to GRPO runs in CO mode only" in error["message"]
     assert _run_count(db) == 0
 
 
