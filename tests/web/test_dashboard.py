@@ -317,7 +317,7 @@ def test_chart_data_is_downsampled_with_min_max_bands(submitter: Browsing):
     payload = submitter.client.get(f"/runs/{run_id}/charts.json").json()
     assert (payload["status"], payload["terminal"]) == ("RUNNING", False)
     charts = {chart["id"]: chart for chart in payload["charts"]}
-    assert set(charts) == {"reward", "loss", "kl", "completion", "throughput", "step_time", "split"}
+    assert set(charts) == {"reward", "eval", "loss", "kl", "completion", "throughput", "step_time", "split"}
     reward = charts["reward"]
     assert 2 <= reward["points"] <= 300 < 1000  # dashboard_chart_points
     assert reward["bucket_steps"] > 1 and reward["x"][-1] == 999  # the last step is always there
@@ -327,6 +327,25 @@ def test_chart_data_is_downsampled_with_min_max_bands(submitter: Browsing):
     assert min(series["min"]) == 0.0 and max(series["max"]) == 6.0
     assert charts["split"]["stacked"] and [s["label"] for s in charts["split"]["series"]] == [
         "time/device", "time/host", "time/network"]
+
+
+def test_run_page_charts_held_out_evaluation_at_its_own_steps(submitter: Browsing):
+    """Eval records come every eval.every steps (and at step = steps, after the last): the eval chart has
+    just those points, its two series aligned on them."""
+    site = submitter.site
+    run_id = insert_run(site.db, S.SUCCEEDED)
+    _ingest(site, run_id, range(0, 10))
+    rows = [{"step": step, "values": {"eval/accuracy": accuracy, "eval/pass@k": passed}}
+            for step, accuracy, passed in ((0, 0.25, 0.5), (5, 0.375, 0.625), (10, 0.5, 0.75))]
+    response = site.client().post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows}, headers=site.bearer("worker"))
+    assert response.status_code == 200, response.text
+    payload = submitter.client.get(f"/runs/{run_id}/charts.json").json()
+    chart = next(chart for chart in payload["charts"] if chart["id"] == "eval")
+    assert chart["x"] == [0, 5, 10]
+    assert [s["label"] for s in chart["series"]] == ["eval/accuracy", "eval/pass@k"]
+    assert chart["series"][0]["last"] == [0.25, 0.375, 0.5] and chart["series"][1]["last"] == [0.5, 0.625, 0.75]
+    page = submitter.client.get(f"/runs/{run_id}").text
+    assert "Held-out evaluation" in page
 
 
 def test_raw_chart_points_carry_no_band(submitter: Browsing):
