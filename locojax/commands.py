@@ -221,7 +221,7 @@ def eval_command(
     from locojax.spec import EvalSpec
 
     spec = _load(spec_path)
-    overrides = {k_: v for k_, v in {"prompts": prompts, "k": k}.items() if v is not None}
+    overrides = {name: value for name, value in {"prompts": prompts, "k": k}.items() if value is not None}
     try:
         eval_spec = EvalSpec.model_validate({**(spec.eval or EvalSpec()).model_dump(), **overrides})
     except ValidationError as exc:

@@ -199,6 +199,48 @@ def whole_spec(tmp_path) -> RunSpec:
     return RunSpec.model_validate(eval_spec(tmp_path, "evaluator", {"prompts": 16, "k": 3, "reward": [EVEN_LENGTH]}))
 
 
+def test_correctness_is_the_task_s_own_reward_at_full_credit(tmp_path):
+    """On a GSM8K-format file and on countdown, a completion is right exactly when the task's reward
+    gives it full credit (the spec's training rewards play no part)."""
+    from locojax.evaluate import Evaluator, eval_rewards
+    from locojax.modes.common import load_policy
+
+    path = write_gsm8k(tmp_path / "train.jsonl", [f"What is {n} plus one?" for n in range(12)])
+    cases = [({"name": "gsm8k", "path": str(path)}, lambda e: [f"so\n#### {e.answer}", f"#### {int(e.answer) + 1}",
+                                                                  e.answer]),
+             ({"name": "countdown", "difficulty": 1}, lambda e: [e.reference, "<answer>1+1</answer>", ""])]
+    for task, completions in cases:
+        spec = RunSpec.model_validate({**tiny_spec(tmp_path, "right"), "task": {**task, "reward": [EVEN_LENGTH]},
+                                       "eval": {"prompts": 4}})
+        data = load_task_data(spec.task, spec.eval)
+        evaluator = Evaluator(spec, spec.eval, load_policy(spec), data.held_out, eval_rewards(spec.eval, data.train),
+                              0, jax.local_devices()[:1])
+        assert evaluator.reward_names == (task["name"],)
+        example = data.held_out[0]
+        right = evaluator._right(completions(example), [example] * 3)
+        assert right.tolist() == [True, False, False], task["name"]
+
+
+def test_evaluations_are_due_every_n_steps_from_step_0():
+    from locojax.evaluate import evaluation_due
+
+    assert [s for s in range(7) if evaluation_due(EvalSpec(every=3), s)] == [0, 3, 6]
+    assert [s for s in range(7) if evaluation_due(EvalSpec(every=0), s)] == [0]  # and after the last step
+
+
+def test_demo_summary_reads_before_and_after_from_the_eval_records():
+    from locojax.demo import eval_series, eval_summary
+
+    records = [{"step": 0, "host": "all", m.REWARD_MEAN: 0.1, m.EVAL_ACCURACY: 0.25, m.EVAL_PASS_AT_K: 0.5},
+               {"step": 0, "host": 0, m.EVAL_ACCURACY: 0.0, m.EVAL_PASS_AT_K: 0.0},
+               {"step": 1, "host": "all", m.REWARD_MEAN: 0.2},
+               {"step": 2, "host": "all", m.EVAL_ACCURACY: 0.5, m.EVAL_PASS_AT_K: 0.75}]
+    assert eval_series(records) == ([0, 2], [0.25, 0.5], [0.5, 0.75])
+    line = eval_summary(*eval_series(records), k=4)
+    assert "before GRPO (step 0): accuracy 0.250, pass@4 0.500" in line
+    assert "after (step 2): accuracy 0.500 (+0.250), pass@4 0.750" in line
+
+
 def test_ratio_metrics_aggregate_as_sums_not_means():
     records = [{m.EVAL_CORRECT: 1.0, m.EVAL_PROMPTS: 1.0, m.EVAL_ACCURACY: 1.0},
                {m.EVAL_CORRECT: 1.0, m.EVAL_PROMPTS: 3.0, m.EVAL_ACCURACY: 1 / 3}]
