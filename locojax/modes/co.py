@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from locojax import metrics as m
-from locojax.evaluate import eval_rewards, evaluation_due
+from locojax.evaluate import Evaluator, eval_rewards, evaluation_due
 from locojax.modes.common import (
     HostRollout,
     RolloutRunner,
@@ -77,8 +77,6 @@ def run_co(
 
     evaluator = None
     if spec.eval is not None:
-        from locojax.evaluate import Evaluator
-
         first, shard = host_slice(trainer.held_out, host, num_hosts)
         evaluator = Evaluator(spec, spec.eval, trainer.policy, shard, eval_rewards(spec.eval, trainer.task), first,
                               jax.local_devices())
