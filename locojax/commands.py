@@ -246,8 +246,8 @@ def eval_command(
     from locojax.modes.common import load_policy
 
     hf = (checkpoint / "config.json").is_file()
-    model = {**spec.model.model_dump(), **({"checkpoint": str(checkpoint)} if hf else {"checkpoint": None})}
-    policy = load_policy(_with(spec, model=model, eval=None))
+    # An Orbax checkpoint holds params only: the spec's own starting model gives their tree and shapes.
+    policy = load_policy(_with(spec, model={**spec.model.model_dump(), "checkpoint": str(checkpoint)}) if hf else spec)
     if not hf:
         from locojax.checkpoint import load_params
 

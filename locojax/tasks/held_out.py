@@ -94,7 +94,7 @@ def _generated_split(task: GeneratedTask, eval_spec: EvalSpec) -> TaskData:
                   for offset in range(eval_spec.prompts * SCAN_PER_PROMPT))
     held_out = _distinct(candidates, eval_spec.prompts)
     if len(held_out) < eval_spec.prompts:
-        raise ValueError(f"eval.prompts: {task.name} difficulty {task.difficulty} has only {len(held_out)} distinct "
+        raise ValueError(f"{task.name} difficulty {task.difficulty} has only {len(held_out)} distinct "
                          f"prompts in {eval_spec.prompts * SCAN_PER_PROMPT} held-out indices; ask for fewer")
     return TaskData(GeneratedTrainView(task, frozenset(e.prompt for e in held_out)), held_out)
 
@@ -108,7 +108,7 @@ def _file_split(task: Task, eval_spec: EvalSpec, eval_task: Task | None) -> Task
     prompts = frozenset(e.prompt for e in held_out)
     kept = [i for i in range(len(task)) if task.example(i).prompt not in prompts]
     if not kept:
-        raise ValueError(f"eval.prompts ({eval_spec.prompts}) holds out every record of task.path "
+        raise ValueError(f"{eval_spec.prompts} held-out prompts are every record of task.path "
                          f"({len(task)} records); ask for fewer or give eval.path")
     return TaskData(FileTrainView(task, kept), held_out)
 
@@ -139,7 +139,7 @@ def load_task_data(task_spec: TaskSpec, eval_spec: EvalSpec | None, source: str 
     try:
         return held_out_split(task, eval_spec, eval_task)
     except ValueError as exc:
-        raise SpecError([("eval", str(exc))], source) from None
+        raise SpecError([("eval.prompts", str(exc))], source) from None
 
 
 def host_slice(examples: Sequence[Example], host: int, num_hosts: int) -> tuple[int, list[Example]]:

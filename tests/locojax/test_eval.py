@@ -92,6 +92,14 @@ def test_an_eval_file_that_overlaps_the_training_file_is_removed_from_training(t
     assert len(data.train) == 15 and not train & {e.prompt for e in data.held_out}
 
 
+def test_holding_out_more_than_there_is_names_eval_prompts(tmp_path):
+    path = write_gsm8k(tmp_path / "train.jsonl", ["a?", "b?", "c?"])
+    with pytest.raises(SpecError) as raised:
+        load_task_data(TaskSpec(name="gsm8k", path=str(path)), EvalSpec(prompts=3))
+    assert raised.value.errors == [("eval.prompts", "3 held-out prompts are every record of task.path (3 records); "
+                                                    "ask for fewer or give eval.path")]
+
+
 def test_host_slices_are_disjoint_and_cover_the_held_out_list():
     examples = list(range(10))
     slices = [host_slice(examples, host, 3) for host in range(3)]
@@ -176,6 +184,24 @@ def test_greedy_evaluation_is_deterministic_and_pass_at_k_is_at_least_accuracy(t
     assert single(policy.params) == type(first)(16, first.correct, first.correct)  # pass@1 is the accuracy
     metrics = first.metrics()
     assert metrics[m.EVAL_ACCURACY] == first.correct / 16 and metrics[m.EVAL_PASS_AT_K] == first.pass_correct / 16
+
+
+def test_locojax_eval_on_a_hf_directory_reports_what_the_evaluator_computes(tmp_path):
+    from locojax.model import create_model, get_preset
+    from locojax.model.hf import save_hf_checkpoint
+
+    save_hf_checkpoint(create_model(get_preset("tiny"), seed=11), tmp_path / "model")
+    spec = eval_spec(tmp_path, "hf-eval", {"prompts": 16, "k": 4, "reward": [EVEN_LENGTH]})
+    done = locojax("eval", str(write_spec(tmp_path, spec)), "--checkpoint", str(tmp_path / "model"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluator, policy = _evaluator(tmp_path, k=4)
+    from locojax.modes.common import load_policy
+
+    hf_policy = load_policy(RunSpec.model_validate({**spec, "model": {"preset": "tiny",
+                                                                       "checkpoint": str(tmp_path / "model")}}))
+    counts = evaluator(hf_policy.params)
+    assert counts != evaluator(policy.params)  # another model (seed 11, not 3): the CLI really loaded it
+    assert f"eval/accuracy {counts.correct / 16:.4f}  eval/pass@4 {counts.pass_correct / 16:.4f}" in done.stdout
 
 
 def test_two_shards_sum_to_the_whole(tmp_path):
