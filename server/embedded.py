@@ -184,7 +184,9 @@ def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, o
                 values = {key: item["value"] for key, item in summary["values"].items()}
                 shown = "  ".join(f"{key} {values[key]:.3f}" for key in ("loss/sft", "reward/mean", "time/step")
                                   if key in values)
-                echo(f"  run {run['id']} step {summary['last_step'] + 1}/{spec.steps}  {shown}  "
+                # The newest step a step time was recorded for: the final evaluation's record is at step = steps.
+                step = summary["values"].get("time/step", {}).get("step", summary["last_step"])
+                echo(f"  run {run['id']} step {step + 1}/{spec.steps}  {shown}  "
                      f"[{time.monotonic() - started:.0f} s]")
 
             final = wait_for_run(client, run["id"], on_progress=progress, stop=stop)

@@ -55,11 +55,19 @@ def latest(session: Session, run_id: int) -> Latest:
     return metric_service.summary(session, run_id, AGGREGATE_HOST)
 
 
+def trained_step(latest: Latest) -> int | None:
+    """The last step the run trained: the one of its newest step time. Not the newest record's step,
+    which is `steps` itself once the evaluation after the last step is in (locojax.metrics, eval/*)."""
+    if STEP_TIME_KEY in latest:
+        return latest[STEP_TIME_KEY][0]
+    return max((step for step, _ in latest.values()), default=None)
+
+
 def header(run: Run, latest: Latest) -> Header:
     spec = run.spec or {}
     return Header(
         run=run, terminal=is_terminal(run.status), running_s=running_seconds(run),
-        last_step=max((step for step, _ in latest.values()), default=None), total_steps=spec.get("steps"),
+        last_step=trained_step(latest), total_steps=spec.get("steps"),
         preset=str((spec.get("model") or {}).get("preset", "")), task=str((spec.get("task") or {}).get("name", "")),
     )
 

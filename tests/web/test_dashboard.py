@@ -333,7 +333,7 @@ def test_run_page_charts_held_out_evaluation_at_its_own_steps(submitter: Browsin
     """Eval records come every eval.every steps (and at step = steps, after the last): the eval chart has
     just those points, its two series aligned on them."""
     site = submitter.site
-    run_id = insert_run(site.db, S.SUCCEEDED)
+    run_id = insert_run(site.db, S.SUCCEEDED, spec={"name": "test-run", "steps": 10})
     _ingest(site, run_id, range(0, 10))
     rows = [{"step": step, "values": {"eval/accuracy": accuracy, "eval/pass@k": passed}}
             for step, accuracy, passed in ((0, 0.25, 0.5), (5, 0.375, 0.625), (10, 0.5, 0.75))]
@@ -346,6 +346,8 @@ def test_run_page_charts_held_out_evaluation_at_its_own_steps(submitter: Browsin
     assert chart["series"][0]["last"] == [0.25, 0.375, 0.5] and chart["series"][1]["last"] == [0.5, 0.625, 0.75]
     page = submitter.client.get(f"/runs/{run_id}").text
     assert "Held-out evaluation" in page
+    # The header counts trained steps: the evaluation after the last step (step 10) is not an 11th step.
+    assert re.search(r"step 10\s+of 10", page) and not re.search(r"step 11\s+of", page)
 
 
 def test_raw_chart_points_carry_no_band(submitter: Browsing):
