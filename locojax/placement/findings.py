@@ -115,8 +115,13 @@ def da_three_quarters_wins_on_numina(setting: Setting) -> tuple[bool, str]:
     choice = ranked[0].placement
     gain = 1 - setting.step("da", 256, "numina-cot", 0.75).step_s / setting.step("co", 256, "numina-cot").step_s
     holds = 0.10 <= gain <= 0.20 and (choice.mode, choice.chips, choice.rollout_fraction) == ("da", 256, 0.75)
-    pick = f"DA {choice.rollout_fraction:.0%}" if choice.mode == "da" else choice.mode.upper()
-    return holds, f"DA-75% {gain:.1%} faster than CO; pick {pick} on {choice.chips} chips"
+    def label(placement: Placement) -> str:
+        mode = f"DA {placement.rollout_fraction:.1%}" if placement.mode == "da" else placement.mode.upper()
+        return f"{mode} on {placement.chips} chips"
+
+    margin = ranked[1].step_s / ranked[0].step_s - 1  # how close the pick is to losing it
+    return holds, (f"DA-75% {gain:.1%} faster than CO; pick {label(choice)}, runner-up {label(ranked[1].placement)} "
+                   f"{margin:.1%} slower")
 
 
 def da_does_not_beat_co_on_gsm8k(setting: Setting) -> tuple[bool, str]:
