@@ -197,7 +197,9 @@ def test_prediction_the_knobs_were_not_chosen_against():
 
     The model says 65% (qwen3-1.7b, GSM8K rollouts, 4 chips): the mechanism (SC's decode is slower) is
     right, the size is 48% off the 44% (closer to the 60% after the fix; #772's proxy round trip,
-    ~21 ms, is far above the Pathways fit's ~1.3 ms the model uses). The bound is a 50% error."""
+    ~21 ms, is far above the Pathways fit's ~1.3 ms the model uses). The bound, a 50% error, was set
+    after that first computation: it guards the figure against drifting further, it does not claim
+    the model predicted #772 well."""
     predict, published, _ = PREDICTIONS["proxy decode speed, 1.5B on one v7x host"]
     predicted = predict()
     assert predicted < 1  # through the proxy decode is slower than native
