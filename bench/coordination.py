@@ -1,4 +1,4 @@
-"""Coordination benchmark: CO vs SC vs DA on this machine's two cores, same model and global batch.
+"""Coordination benchmark: CO vs SC vs DA on this machine's cores (2 here), same model and global batch.
 
     CO  2 hosts x 1 core   (two `locojax host` processes, jax.distributed over gloo)
     SC  1 controller owning 2 devices (one process; every rollout gathered and scored there)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -107,7 +108,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
-    results: dict = {"machine": {"cores": 2}, "steps": args.steps, "rounds": args.rounds, "workloads": {}}
+    # Measured, not assumed: the cores this process (and the runs it starts) may use, and the machine's.
+    machine = {"cores": len(os.sched_getaffinity(0)), "cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
+    results: dict = {"machine": machine, "steps": args.steps, "rounds": args.rounds, "workloads": {}}
     runs: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "gsm8k_like.jsonl"
@@ -137,6 +140,7 @@ def main() -> None:
             "co_vs_sc_per_round": [sc["median_step_s"] / co["median_step_s"]
                                    for co, sc in zip(modes["co"]["rounds"], modes["sc"]["rounds"])],
         }
+    results["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(f"{'workload':<14}{'mode':<5}{'step s':>8}{'device':>8}{'host':>8}{'network':>9}")

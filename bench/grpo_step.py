@@ -25,8 +25,10 @@ Sides, each a subprocess so neither sees the other's compilation caches or memor
 Each run trains `--steps` steps; steps 0..warmup-1 (compilation) and the last step (LoCoJAX forces a
 checkpoint there; Tunix closes its cluster) are dropped. The sides alternate run by run (A B B A ..)
 so background load on this shared machine hits both alike; each side's figure is the median of
-its pooled steady-state periods. Identical work is asserted: every rollout on both sides returned
-8*8 rows of exactly 64 tokens.
+its pooled steady-state periods. Identical work is asserted: every rollout on both sides decoded
+8*8 rows of exactly 64 tokens, and each side's loss trained on at least 98% of them (Tunix masks
+completion tokens equal to the pad id, also ones sampled by chance; ours does not). The trained-token
+counts are reported (`workload.trained_tokens_per_step`).
 
 The last line printed is `ratio_vs_peer=<x>` (= peer_step_s / locojax_step_s).
 """
@@ -74,14 +76,26 @@ def make_spec(steps: int, output_dir: str | None = None):
     )
 
 
+# Tokens the loss trains on may fall short of the decoded slots only by pad ids sampled by chance
+# (the peer masks them; ~1/384 of the tokens of a random-init model at temperature 1).
+MIN_TRAINED_FRACTION = 0.98
+
+
 def check_generated(side: str, generated: list[dict], steps: int) -> None:
-    """The identical-work check: every rollout returned PROMPTS*GROUP rows of exactly NEW_TOKENS."""
+    """The identical-work check: every rollout decoded PROMPTS*GROUP rows of exactly NEW_TOKENS slots,
+    and the loss trained on (nearly) all of them: `tokens` counts trained tokens, not padded slots."""
     if len(generated) != steps:
         raise RuntimeError(f"{side}: {len(generated)} rollouts for {steps} steps")
+    slots = PROMPTS * GROUP * NEW_TOKENS
     for i, g in enumerate(generated):
-        if (g["rows"], g["tokens"], g["min_len"], g["max_len"]) != (
-                PROMPTS * GROUP, PROMPTS * GROUP * NEW_TOKENS, NEW_TOKENS, NEW_TOKENS):
+        if (g["rows"], g["slots"], g["min_len"], g["max_len"]) != (PROMPTS * GROUP, slots, NEW_TOKENS, NEW_TOKENS):
             raise RuntimeError(f"{side}: rollout {i} generated {g}, expected {PROMPTS * GROUP} rows x {NEW_TOKENS}")
+        if not MIN_TRAINED_FRACTION * slots <= g["tokens"] <= slots:
+            raise RuntimeError(f"{side}: rollout {i} trains on {g['tokens']} of {slots} slots")
+
+
+def trained_tokens_per_step(runs: list[dict]) -> float:
+    return statistics.mean(g["tokens"] for run in runs for g in run["generated"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,8 +125,10 @@ def locojax_side(steps: int, warmup: int) -> None:
     real_completions = common.RolloutRunner.completions
 
     def counting_completions(self, result):
+        # Our loss trains on every slot of `result.mask` (sampled pad ids included: the mask ends
+        # only at EOS), so trained tokens are the mask's sum.
         lengths = np.asarray(result.mask).sum(axis=1)
-        generated.append({"rows": int(lengths.size), "tokens": int(lengths.sum()),
+        generated.append({"rows": int(lengths.size), "slots": int(lengths.sum()), "tokens": int(lengths.sum()),
                           "min_len": int(lengths.min()), "max_len": int(lengths.max())})
         return real_completions(self, result)
 
@@ -311,6 +327,10 @@ def main() -> None:
             "num_iterations": NUM_ITERATIONS, "clip_eps": [CLIP_EPS, CLIP_EPS],
             "loss_agg": "seq_mean_token_mean (Tunix sequence-mean-token-mean)", "optimizer": "AdamW + clip 1.0",
             "tokens_generated_per_step": PROMPTS * GROUP * NEW_TOKENS,
+            # What each side's loss trained on per step (mean over all steps of all runs): the peer
+            # masks pad ids its sampler drew by chance, ours trains on them.
+            "trained_tokens_per_step": {"locojax": trained_tokens_per_step(ours),
+                                        "peer": trained_tokens_per_step(peer)},
         },
         "method": {
             "steps_per_run": args.steps, "warmup_dropped": args.warmup, "last_step_dropped": True,

@@ -45,9 +45,12 @@ PEER_VENV = ROOT / "bench" / ".peer-venvs" / "tunix"
 PEER_PACKAGE = "google-tunix==0.1.7"
 RESULTS = ROOT / "bench" / "results" / "rollout.json"
 
-# The `small` preset's dimensions, spelled out for the peer (which cannot import locojax).
+# The `small` preset's dimensions, spelled out for the peer (which cannot import locojax). Tunix's
+# Qwen3 always applies QK-norm (q_norm/k_norm on every layer), so `qk_norm` must be True here; the
+# peer checks its model has them. `dtype` is both the parameter and the compute dtype on each side.
 SMALL = dict(vocab_size=384, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024,
-             rope_theta=10_000.0, norm_eps=1e-6)
+             rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=True, dtype="float32",
+             param_dtype="float32")
 BOS, EOS, PAD = 256, 257, 258
 NEVER = -1  # an EOS id no token can equal: every row decodes all new tokens
 
@@ -77,6 +80,8 @@ class _PeerByteTokenizer:
 
 def peer_main(config: dict) -> None:
     import jax
+    import jax.numpy as jnp
+    from flax import nnx
     from jax.sharding import AxisType
     from tunix.generate import sampler as sampler_lib
     from tunix.models.dummy_model_creator import create_dummy_model
@@ -89,10 +94,19 @@ def peer_main(config: dict) -> None:
         num_layers=SMALL["n_layers"], vocab_size=SMALL["vocab_size"], embed_dim=SMALL["d_model"],
         hidden_dim=SMALL["d_ff"], num_heads=SMALL["n_heads"], head_dim=SMALL["head_dim"],
         num_kv_heads=SMALL["n_kv_heads"], rope_theta=int(SMALL["rope_theta"]), norm_eps=SMALL["norm_eps"],
-        use_tied_embedding=True, shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True),
+        use_tied_embedding=SMALL["tie_embeddings"],
+        shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True),
+        # Pinned, not left to Tunix's defaults: the KV cache and every matmul follow config.dtype.
+        dtype=jnp.dtype(SMALL["dtype"]), param_dtype=jnp.dtype(SMALL["param_dtype"]),
     )
     with jax.set_mesh(mesh):
         model = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=0)
+        if SMALL["qk_norm"] and not all(hasattr(layer.attn, "q_norm") and hasattr(layer.attn, "k_norm")
+                                        for layer in model.layers):
+            raise RuntimeError("the peer's Qwen3 has no QK-norm; the two models would differ")
+        param_dtypes = {leaf.dtype for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))}
+        if param_dtypes != {jnp.dtype(SMALL["param_dtype"])}:
+            raise RuntimeError(f"the peer's parameters are {param_dtypes}, expected {SMALL['param_dtype']}")
         cache = sampler_lib.CacheConfig(cache_size=prompt_len + new_tokens, num_layers=SMALL["n_layers"],
                                         num_kv_heads=SMALL["n_kv_heads"], head_dim=SMALL["head_dim"])
         sampler = sampler_lib.Sampler(model, _PeerByteTokenizer(), cache)
@@ -105,7 +119,8 @@ def peer_main(config: dict) -> None:
         started = time.perf_counter()
         out = rollout(10_000)
         print(json.dumps({"ready": True, "first_call_s": time.perf_counter() - started,
-                          "jax": jax.__version__, "devices": len(jax.devices())}), flush=True)
+                          "jax": jax.__version__, "devices": len(jax.devices()),
+                          "platform": jax.devices()[0].platform}), flush=True)
         for line in sys.stdin:
             command = line.split()
             if not command or command[0] == "quit":
@@ -175,6 +190,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # internal: run the peer side
     args = parser.parse_args()
+    # Both sides on the CPU (the peer inherits this environment): the comparison is one machine's cores.
+    os.environ["JAX_PLATFORMS"] = "cpu"
     if args.peer is not None:
         peer_main(json.loads(args.peer))
         return
@@ -188,7 +205,8 @@ def main() -> None:
     from locojax.tokenizer import ByteTokenizer
 
     config = get_preset("small")
-    assert all(getattr(config, k) == v for k, v in SMALL.items()), "bench dims out of date with the preset"
+    stale = {k: (v, getattr(config, k)) for k, v in SMALL.items() if getattr(config, k) != v}
+    assert not stale, f"bench dims out of date with the preset (bench, preset): {stale}"
     task = ArithTask(difficulty=1)
     prompts = [task.example(i).prompt for i in range(args.batch)]
     tokenizer = ByteTokenizer()
@@ -197,8 +215,7 @@ def main() -> None:
     peer_python = ensure_peer_venv()
     peer_config = json.dumps({"prompts": prompts, "new_tokens": new_tokens, "prompt_len": prompt_len})
     peer = subprocess.Popen([str(peer_python), __file__, "--peer", peer_config], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
     graphdef, params = nnx.split(create_model(config, seed=0))
     sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, eos_id=None, pad_id=tokenizer.pad_id)
@@ -259,11 +276,12 @@ def main() -> None:
         "locojax_model_flops_per_s": flops / ours_s,
         "matmul_peak_flops_per_s": peak,
         "peer": f"tunix {PEER_PACKAGE.split('==')[1]} Sampler (Qwen3, identical dims)",
-        "workload": {"preset": "small", "dtype": "float32", "batch": batch, "new_tokens": new_tokens,
+        "workload": {"preset": "small", "dtype": SMALL["dtype"], "batch": batch, "new_tokens": new_tokens,
                      "prompt_slots": prompt_len, "early_stop": False, "temperature": 1.0, "task": "arith d1"},
         "rounds": rounds,
         "first_call_s": {"locojax": our_first_call, "peer": peer_ready["first_call_s"]},
         "machine": {"cpus": os.cpu_count(), "devices": len(jax.devices()), "jax": jax.__version__,
+                    "platform": jax.devices()[0].platform, "peer_platform": peer_ready["platform"],
                     "peer_jax": peer_ready["jax"], "load_avg_1m_before": load_before[0],
                     "load_avg_1m_after": load_after[0]},
     }

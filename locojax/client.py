@@ -130,6 +130,10 @@ class ApiClient:
         params = {"key": keys, "host": hosts or [-1], "max_points": max_points}
         return self.request("GET", f"/api/v1/runs/{run_id}/metrics/history", params=params)
 
+    def metric_deliveries(self, run_id: int) -> dict[str, Any]:
+        """Per series: values the API received (retries and repeats counted) against rows stored."""
+        return self.request("GET", f"/api/v1/runs/{run_id}/metrics/deliveries")
+
     def metric_summary(self, run_id: int, host: int = -1) -> dict[str, Any]:
         return self.request("GET", f"/api/v1/runs/{run_id}/metrics/summary", params={"host": host})
 

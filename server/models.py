@@ -283,7 +283,7 @@ class StepMetricRollup(Base):
 
 
 class StepMetricSeries(Base):
-    """One row per (run, key, host): its step range and latest value, kept current by ingest.
+    """One row per (run, key, host): its step range, latest value and delivery count, kept current by ingest.
 
     Answers "which series exist", "latest value of every key" and "step range of a series" without
     touching the raw rows.
@@ -298,6 +298,10 @@ class StepMetricSeries(Base):
     first_step: Mapped[int]
     last_step: Mapped[int]
     last_value: Mapped[float] = mapped_column(Double)
+    # Values of this series the API received, every post counted: retried batches, re-posted steps and
+    # repeats inside one batch included. The primary key of step_metrics collapses those, so this is
+    # the only place where a duplicate delivery is visible (values_posted - rows stored).
+    values_posted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class RunEvent(Base):

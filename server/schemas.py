@@ -188,6 +188,20 @@ class MetricKeys(BaseModel):
     hosts: list[int]
 
 
+class MetricDelivery(BaseModel):
+    key: str
+    host: int
+    values_posted: int = Field(description="values of this series the API received, every retry and repeat counted")
+    values_stored: int = Field(description="rows stored: one per step")
+
+
+class MetricDeliveries(BaseModel):
+    """Per series: posted against stored. A duplicate delivery shows as posted > stored."""
+
+    run_id: int
+    series: list[MetricDelivery]
+
+
 # --- events -----------------------------------------------------------------------------------------
 
 EventLevel = Literal["debug", "info", "warning", "error"]

@@ -142,14 +142,19 @@ def main(config_path: str) -> None:
     )
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=grpo_config, reward_fns=[gsm8k_strict])
 
-    # Count what every rollout actually generated (the identical-work check).
+    # Count what every rollout actually generated (the identical-work check): `slots` is what was
+    # decoded (rows x their lengths), `tokens` what the loss trains on. GRPOLearner masks every
+    # completion token equal to the pad id (`completion_mask = ids != pad`), also one the sampler drew
+    # by chance (no id is excluded from sampling, on either side), so only non-pad tokens count.
     generated: list[dict] = []
     original_generate = cluster.generate
+    pad_id = ByteTokenizer().pad_id()
 
     def counting_generate(*args, **kwargs):
         out = original_generate(*args, **kwargs)
         lengths = [len(t) for t in out.tokens]
-        generated.append({"rows": len(lengths), "tokens": int(sum(lengths)),
+        trained = sum(int((np.asarray(t) != pad_id).sum()) for t in out.tokens)
+        generated.append({"rows": len(lengths), "slots": int(sum(lengths)), "tokens": trained,
                           "min_len": int(min(lengths)), "max_len": int(max(lengths))})
         return out
 

@@ -5,7 +5,9 @@ hosts it sits in: per-chip compute and memory (the roofline), the interconnects 
 ICI domain, DCN between hosts, PCIe between a chip and its host), and the host-orchestration constants
 that separate the three coordination modes. Accelerator numbers come from shared/reference/FACTS.md
 (the source is named next to each); host-orchestration numbers come from the Pathways paper and the
-sglang-jax proxy measurements quoted there, or are marked as assumptions. Measured runs refine the
+sglang-jax proxy measurements quoted there, or are marked as assumptions; the assumptions that were
+tuned so that the model reproduces the paper's findings are listed in `cost_model.FITTED_KNOBS` (with
+how far each may move: `findings.sensitivity`). Measured runs refine the
 host and network constants (`locojax.placement.calibration`), and `locojax probe` measures the
 `local-cpu` profile on this machine.
 """

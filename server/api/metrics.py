@@ -1,4 +1,4 @@
-"""/api/v1/runs/{run_id}/metrics: batch ingest (workers), history with downsampling, summary, keys."""
+"""/api/v1/runs/{run_id}/metrics: batch ingest (workers), history with downsampling, summary, keys, deliveries."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from server.models import AGGREGATE_HOST
 from server.schemas import (
     HostIndex,
     IngestResult,
+    MetricDeliveries,
+    MetricDelivery,
     MetricHistory,
     MetricKey,
     MetricKeys,
@@ -71,3 +73,11 @@ def metric_summary(run_id: RunId, session: SessionDep, _: ReadToken,
 def metric_keys(run_id: RunId, session: SessionDep, _: ReadToken) -> MetricKeys:
     keys, hosts = metric_service.keys(session, run_id)
     return MetricKeys(run_id=run_id, keys=keys, hosts=hosts)
+
+
+@router.get("/deliveries", response_model=MetricDeliveries)
+def metric_deliveries(run_id: RunId, session: SessionDep, _: ReadToken) -> MetricDeliveries:
+    """Values received against rows stored, per series: duplicates that the upsert collapses stay countable."""
+    return MetricDeliveries(run_id=run_id, series=[
+        MetricDelivery(key=key, host=host, values_posted=posted, values_stored=stored)
+        for key, host, posted, stored in metric_service.deliveries(session, run_id)])

@@ -72,11 +72,13 @@ _PG_MERGE = text("""
                               THEN EXCLUDED.last_value ELSE step_metric_rollups.last_value END,
             last_step = GREATEST(step_metric_rollups.last_step, EXCLUDED.last_step)
     )
-    INSERT INTO step_metric_series (run_id, key, host, first_step, last_step, last_value)
-    SELECT :run_id, k, h, f, ls, lv
+    INSERT INTO step_metric_series (run_id, key, host, first_step, last_step, last_value, values_posted)
+    SELECT :run_id, k, h, f, ls, lv, p
     FROM unnest(CAST(:s_keys AS varchar[]), CAST(:s_hosts AS integer[]), CAST(:s_firsts AS integer[]),
-                CAST(:s_lasts AS integer[]), CAST(:s_values AS double precision[])) AS t(k, h, f, ls, lv)
+                CAST(:s_lasts AS integer[]), CAST(:s_values AS double precision[]),
+                CAST(:s_posted AS bigint[])) AS t(k, h, f, ls, lv, p)
     ON CONFLICT (run_id, key, host) DO UPDATE SET
+        values_posted = step_metric_series.values_posted + EXCLUDED.values_posted,
         first_step = LEAST(step_metric_series.first_step, EXCLUDED.first_step),
         last_value = CASE WHEN EXCLUDED.last_step >= step_metric_series.last_step
                           THEN EXCLUDED.last_value ELSE step_metric_series.last_value END,
@@ -146,6 +148,7 @@ _SQLITE_REFRESH = {
 # does not matter.
 _SERIES_MERGE = """
     ON CONFLICT (run_id, key, host) DO UPDATE SET
+        values_posted = step_metric_series.values_posted + excluded.values_posted,
         first_step = CASE WHEN excluded.first_step < step_metric_series.first_step
                           THEN excluded.first_step ELSE step_metric_series.first_step END,
         last_value = CASE WHEN excluded.last_step >= step_metric_series.last_step
@@ -155,8 +158,8 @@ _SERIES_MERGE = """
 """
 # SQLite's per-series upsert (PostgreSQL merges series rows in _PG_MERGE).
 _UPSERT_SERIES = text(f"""
-    INSERT INTO step_metric_series (run_id, key, host, first_step, last_step, last_value)
-    VALUES (:run_id, :key, :host, :first_step, :last_step, :last_value)
+    INSERT INTO step_metric_series (run_id, key, host, first_step, last_step, last_value, values_posted)
+    VALUES (:run_id, :key, :host, :first_step, :last_step, :last_value, :values_posted)
     {_SERIES_MERGE}""")
 
 # PostgreSQL history: one statement for several series, each walked by its own index range scan.
@@ -216,12 +219,14 @@ def ingest(session: Session, run_id: int, batch: MetricsBatch, *, max_values: in
     # Collapse repeats inside the batch (last one wins): PostgreSQL refuses an ON CONFLICT DO UPDATE
     # that touches the same row twice in one statement.
     merged: dict[tuple[str, int, int], float] = {}
+    posted: dict[Series, int] = defaultdict(int)  # every value received, repeats included
     for row in batch.rows:
         for key, value in row.values.items():
             merged[(key, row.host, row.step)] = value
+            posted[(key, row.host)] += 1
 
     if _is_postgres(session):
-        _ingest_postgres(session, run_id, merged)
+        _ingest_postgres(session, run_id, merged, posted)
     else:
         statement = sqlite.insert(StepMetric)
         statement = statement.on_conflict_do_update(
@@ -232,12 +237,13 @@ def ingest(session: Session, run_id: int, batch: MetricsBatch, *, max_values: in
         ])
         # SQLite runs in-process: recomputing the touched buckets from stored rows costs no round trips.
         refresh_rollups(session, run_id, merged)
-        _update_series(session, run_id, merged)
+        _update_series(session, run_id, merged, posted)
     session.commit()
     return len(merged)
 
 
-def _ingest_postgres(session: Session, run_id: int, merged: dict[tuple[str, int, int], float]) -> None:
+def _ingest_postgres(session: Session, run_id: int, merged: dict[tuple[str, int, int], float],
+                     posted: dict[Series, int]) -> None:
     keys, hosts, steps = (list(column) for column in zip(*merged))
     batch = {"run_id": run_id, "keys": keys, "hosts": hosts, "steps": steps, "vals": list(merged.values())}
     changed: list[tuple[str, int, int]] = []
@@ -265,6 +271,7 @@ def _ingest_postgres(session: Session, run_id: int, merged: dict[tuple[str, int,
         "r_highs": [a[2] for _, a in r_rows], "r_lasts": [a[3] for _, a in r_rows], "r_values": [a[4] for _, a in r_rows],
         "s_keys": [k[0] for k, _ in s_rows], "s_hosts": [k[1] for k, _ in s_rows], "s_firsts": [a[0] for _, a in s_rows],
         "s_lasts": [a[3] for _, a in s_rows], "s_values": [a[4] for _, a in s_rows],
+        "s_posted": [posted[k] for k, _ in s_rows],
     })
     if changed:
         # A changed value can lower a max or raise a min: merging cannot express that, recomputing can.
@@ -287,7 +294,13 @@ def _fold(aggregates: dict, group: tuple, step: int, value: float) -> None:
         current[3], current[4] = step, value
 
 
-def _update_series(session: Session, run_id: int, merged: dict[tuple[str, int, int], float]) -> None:
+def _update_series(session: Session, run_id: int, merged: dict[tuple[str, int, int], float],
+                   posted: dict[Series, int] | None = None) -> None:
+    """Merge `merged` into the series rows; `posted`: values received per series (default: one per value)."""
+    if posted is None:
+        posted = defaultdict(int)
+        for key, host, _ in merged:
+            posted[(key, host)] += 1
     ranges: dict[Series, list] = {}
     for (key, host, step), value in merged.items():
         current = ranges.get((key, host))
@@ -298,7 +311,8 @@ def _update_series(session: Session, run_id: int, merged: dict[tuple[str, int, i
             if step > current[1]:
                 current[1], current[2] = step, value
     session.execute(_UPSERT_SERIES, [
-        {"run_id": run_id, "key": key, "host": host, "first_step": first, "last_step": last, "last_value": value}
+        {"run_id": run_id, "key": key, "host": host, "first_step": first, "last_step": last, "last_value": value,
+         "values_posted": posted[(key, host)]}
         for (key, host), (first, last, value) in sorted(ranges.items())
     ])
 
@@ -468,3 +482,17 @@ def keys(session: Session, run_id: int) -> tuple[list[str], list[int]]:
         select(StepMetricSeries.key, StepMetricSeries.host).where(StepMetricSeries.run_id == run_id)
     ).tuples().all()
     return sorted({key for key, _ in rows}), sorted({host for _, host in rows})
+
+
+def deliveries(session: Session, run_id: int) -> list[tuple[str, int, int, int]]:
+    """(key, host, values posted, rows stored) of every series: what the API received against what it
+    keeps. posted > stored means some values arrived more than once (retries, a step posted again by a
+    restarted relay), which the upsert collapses; posted < stored cannot happen."""
+    _ensure_run(session, run_id)
+    stored = dict(((key, host), count) for key, host, count in session.execute(
+        select(StepMetric.key, StepMetric.host, func.count()).where(StepMetric.run_id == run_id)
+        .group_by(StepMetric.key, StepMetric.host)).tuples())
+    rows = session.execute(
+        select(StepMetricSeries.key, StepMetricSeries.host, StepMetricSeries.values_posted)
+        .where(StepMetricSeries.run_id == run_id).order_by(StepMetricSeries.key, StepMetricSeries.host)).tuples()
+    return [(key, host, posted, stored.get((key, host), 0)) for key, host, posted in rows]

@@ -74,7 +74,11 @@ def test_split_step_time_is_the_one_definition():
 
 def test_split_on_a_workload_whose_split_is_known():
     """A 50 ms sleep is host time; a jitted matmul loop, timed until block_until_ready, is device
-    time; a 20 ms simulated transfer is network time."""
+    time; a 300 ms simulated transfer is network time.
+
+    No bound depends on how fast this machine is right now: each bucket must hold at least its own
+    span, and the host bucket must stay below host sleep + the network span, which it would exceed
+    if the network span leaked into it (the slack is 250 ms, far more than load adds to a sleep)."""
     @jax.jit
     def busy(x):
         return jax.lax.fori_loop(0, 60, lambda _, y: jnp.tanh(y @ x), x)
@@ -96,13 +100,12 @@ def test_split_on_a_workload_whose_split_is_known():
         with timer.phase(m.TIME_REWARD):
             time.sleep(0.05)
         with timer.network():
-            time.sleep(0.02)
+            time.sleep(0.3)
     t = timer.metrics()
     # Without span.ready the device span would end at dispatch (~0.1 ms) and fail this.
     assert t[m.TIME_DEVICE] >= 0.5 * alone and t[m.TIME_DEVICE] == t[m.TIME_ROLLOUT]
-    assert 0.02 <= t[m.TIME_NETWORK] < 0.02 + 0.1
-    # Host is the sleep plus a little Python (bounds generous for a loaded machine).
-    assert 0.05 <= t[m.TIME_HOST] < 0.05 + 0.1
+    assert t[m.TIME_NETWORK] >= 0.3
+    assert 0.05 <= t[m.TIME_HOST] < 0.05 + 0.25  # the 300 ms network span is not in it
     assert t[m.TIME_STEP] == pytest.approx(t[m.TIME_DEVICE] + t[m.TIME_NETWORK] + t[m.TIME_HOST])
 
 

@@ -1,12 +1,18 @@
 """Placement: catalog, cost model, the paper's findings, recommender, calibration, CLI and sweep.
 
-The paper-finding tests use the registered profiles exactly as shipped: no constant is changed per case.
+The paper-finding tests use the registered profiles exactly as shipped, one set of values for all of
+them; but those values include the knobs of `cost_model.FITTED_KNOBS`, chosen together so that the
+findings hold. So the finding tests are a calibration regression (they fail when a change moves the
+fit), not evidence that the model predicts them: `test_sensitivity_is_the_documented_table` shows how
+little some knobs may move, and `test_prediction_the_knobs_were_not_chosen_against` is the one
+out-of-sample check.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import typer
@@ -33,12 +39,20 @@ from locojax.placement.calibration import (
     calibrate_runs,
     summarize,
 )
-from locojax.placement.cost_model import ModelSize, constant_values
+from locojax.placement.cost_model import FITTED_KNOBS, ModelSize, constant_values
+from locojax.placement.findings import (
+    PAPER_FINDINGS,
+    PREDICTIONS,
+    scaled_setting,
+    sensitivity,
+    sensitivity_table,
+    shipped_setting,
+)
 from locojax.placement.sweep import SWEEP_MODELS, run_sweep
 
 V7X = HARDWARE.get("tpu-v7x")
 SMALL_MODEL = "qwen3-0.6b"
-PAPER_WORKLOADS = ("gsm8k", "numina-cot", "math")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def step(mode: str, chips: int, workload: str, fraction: float | None = None, model: str = SMALL_MODEL,
@@ -107,7 +121,7 @@ def test_single_controller_cost_grows_with_hosts():
     assert max(co) < min(sc)
 
 
-# --- the paper's findings (FACTS.md, last section) ------------------------------------------------
+# --- the paper's findings (FACTS.md, last section): fitted, not predicted ---------------------------
 
 
 @pytest.fixture(scope="module")
@@ -115,48 +129,81 @@ def v7x_sweep():
     return run_sweep(V7X, WORKLOADS.get("gsm8k"))
 
 
-def test_sc_at_0_6b_spends_about_a_third_on_host_orchestration(v7x_sweep):
-    point = next(p for p in v7x_sweep.series("sc") if p.model == SMALL_MODEL)
-    assert 0.30 <= point.host_share <= 0.42
-    assert point.network_share <= 0.05
+@pytest.mark.parametrize("finding", list(PAPER_FINDINGS))
+def test_calibration_regression_the_fitted_findings_hold(finding):
+    """Each finding the knobs were tuned to holds with the shipped values (findings.py has the bands)."""
+    holds, figure = PAPER_FINDINGS[finding](shipped_setting())
+    assert holds, f"{finding}: {figure}"
 
 
-def test_host_share_falls_with_size_and_network_dominates_large_models(v7x_sweep):
-    sc = sorted(v7x_sweep.series("sc"), key=lambda p: p.params)
-    host_shares = [p.host_share for p in sc]
-    assert host_shares == sorted(host_shares, reverse=True)
-    large = [p for p in sc if p.params >= 70e9]
-    assert large, "the sweep must include the 70B and 405B models"
-    for point in large:
-        assert point.network_share > point.host_share, point.model
-
-
-@pytest.mark.parametrize("workload", PAPER_WORKLOADS)
-def test_co_is_1_3_to_3_6_times_faster_than_sc_at_8_to_64_chips(workload):
-    speedups = [step("sc", chips, workload).step_s / step("co", chips, workload).step_s for chips in (8, 16, 32, 64)]
-    assert all(1.3 <= s <= 3.6 for s in speedups), speedups
-    assert speedups == sorted(speedups)  # more hosts, more controller round trips
-
-
-def test_gsm8k_co_on_8_chips_beats_sc_on_64():
-    assert step("co", 8, "gsm8k").step_s < step("sc", 64, "gsm8k").step_s
-
-
-def test_da_with_three_quarters_rollout_hosts_wins_on_numina_at_256_chips():
-    co = step("co", 256, "numina-cot")
-    da = step("da", 256, "numina-cot", 0.75)
-    assert 0.10 <= 1 - da.step_s / co.step_s <= 0.20
+def test_the_recommender_picks_what_the_findings_say():
+    # The product's path (PlacementRequest -> recommend) agrees with the finding checks' own ranking.
     choice = recommend(PlacementRequest(model=SMALL_MODEL, hardware="tpu-v7x", chips=256,
                                         workload="numina-cot")).choice
     assert (choice.mode, choice.chips, choice.rollout_fraction) == ("da", 256, 0.75)
-
-
-def test_da_does_not_beat_co_on_gsm8k():
-    co = step("co", 256, "gsm8k")
-    for fraction in (0.25, 0.375, 0.5, 0.625, 0.75, 0.875):
-        assert step("da", 256, "gsm8k", fraction).step_s > co.step_s, fraction
     assert recommend(PlacementRequest(model=SMALL_MODEL, hardware="tpu-v7x", chips=256,
                                       workload="gsm8k")).choice.mode == "co"
+
+
+def test_fitted_knobs_are_named_with_their_sources():
+    names = [knob.name for knob in FITTED_KNOBS]
+    assert len(names) == len(set(names))
+    targets = {knob.target for knob in FITTED_KNOBS}
+    # The knobs issue 20 found the findings resting on are in the table.
+    assert {"hardware:tpu-v7x:decode_tokens_per_dispatch", "hardware:tpu-v7x:mfu_reference_width",
+            "workload:numina-cot:prompts_per_step"} <= targets
+    for knob in FITTED_KNOBS:
+        registry = HARDWARE if knob.kind == "hardware" else WORKLOADS
+        assert knob.value == getattr(registry.get(knob.profile), knob.field), knob.name
+        # Every one says it was tuned; none pretends to be a measurement.
+        assert "tuned to the paper's findings" in knob.source, knob.name
+
+
+def _readme_sensitivity_table() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    begin, end = "<!-- sensitivity:begin -->", "<!-- sensitivity:end -->"
+    return text[text.index(begin) + len(begin):text.index(end)].strip()
+
+
+def test_sensitivity_is_the_documented_table():
+    """Each knob alone, x0.5 to x2 in steps of 2**(1/4): the range of factors around 1 within which each
+    finding still holds. The README prints the same table (regenerate it with
+    `python -c "from locojax.placement.findings import sensitivity_table; print(sensitivity_table())"`)."""
+    table = sensitivity()
+    for knob, row in table.items():
+        for finding, bounds in row.items():
+            assert (bounds.low or 0) <= 1 <= (bounds.high or math.inf), (knob, finding, bounds)
+    # Not a tautology: some findings flip within the grid, and the table says where.
+    fragile = {(knob, finding) for knob, row in table.items() for finding, bounds in row.items()
+               if bounds.low is not None or bounds.high is not None}
+    assert ("NuminaMath prompts per step", "DA 75% on Numina") in fragile
+    assert ("MFU reference width", "CO 1.3-3.6x SC") in fragile
+    assert sensitivity_table(table) == _readme_sensitivity_table()
+
+
+def test_sensitivity_reports_a_flip_where_one_happens():
+    # Doubling the decode chunk (4 -> 8 tokens per host round trip) halves SC's decode round trips:
+    # CO's lead over SC at 8 chips must then fall below the paper's 1.3x, and the table must say so.
+    knob = next(k for k in FITTED_KNOBS if k.field == "decode_tokens_per_dispatch")
+    holds, figure = PAPER_FINDINGS["CO 1.3-3.6x SC"](scaled_setting(knob, 2.0))
+    assert not holds, figure
+    assert sensitivity([knob])[knob.name]["CO 1.3-3.6x SC"].high < 2.0
+
+
+def test_prediction_the_knobs_were_not_chosen_against():
+    """sglang-jax issue #772 (FACTS.md): a 1.5B model on one v7x host decoded at 44% of native speed
+    through the Pathways proxy (60% after a fix). No knob was chosen against it: the fit targeted the
+    seed paper's findings only (PAPER_FINDINGS), and this ratio was first computed for issue 20.
+
+    The model says 65% (qwen3-1.7b, GSM8K rollouts, 4 chips): the mechanism (SC's decode is slower) is
+    right, the size is 48% off the 44% (closer to the 60% after the fix; #772's proxy round trip,
+    ~21 ms, is far above the Pathways fit's ~1.3 ms the model uses). The bound, a 50% error, was set
+    after that first computation: it guards the figure against drifting further, it does not claim
+    the model predicted #772 well."""
+    predict, published, _ = PREDICTIONS["proxy decode speed, 1.5B on one v7x host"]
+    predicted = predict()
+    assert predicted < 1  # through the proxy decode is slower than native
+    assert abs(predicted - published) / published < 0.5, predicted
 
 
 # --- recommender ---------------------------------------------------------------------------------

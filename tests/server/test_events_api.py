@@ -76,16 +76,16 @@ def test_sse_follows_a_live_run_until_it_finishes(client, db, submitter, worker)
         client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "SUCCEEDED"}, headers=worker)
 
     producer = threading.Thread(target=produce)
-    started = time.monotonic()
     with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream", headers=submitter) as response:
         producer.start()
         body = response.read().decode()
     producer.join()
     events = _sse(body)
-    assert time.monotonic() - started < 1.5  # ended by the terminal state (with `end`), not by sse_max_s
     logs = [data["message"] for kind, data, _ in events if kind == "log"]
     assert logs == ["live 0", "live 1", "live 2", "RUNNING -> SUCCEEDED"]
     statuses = [data["status"] for kind, data, _ in events if kind == "status"]
+    # Ended by the terminal state: only that path sends `end` (a stream closed by sse_max_s does not,
+    # see test_sse_closes_after_its_maximum_duration), so no wall-clock bound is needed here.
     assert statuses == ["RUNNING", "SUCCEEDED"] and events[-1][0] == "end"
 
 
@@ -105,8 +105,10 @@ def test_sse_closes_after_its_maximum_duration(client, db, submitter):
     started = time.monotonic()
     with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream", headers=submitter) as response:
         events = _sse(response.read().decode())
-    assert 1.4 < time.monotonic() - started < 5  # sse_max_s = 1.5 in the test settings
-    assert [kind for kind, _, _ in events] == ["status"]
+    # sse_max_s = 1.5 in the test settings: not closed before it; the upper bound only catches a
+    # stream that ignores it, so it is wide enough for a loaded machine.
+    assert 1.4 < time.monotonic() - started < 30
+    assert [kind for kind, _, _ in events] == ["status"]  # no `end`: the run did not finish
 
 
 def test_sse_of_unknown_run_is_404(client, submitter):

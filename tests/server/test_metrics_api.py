@@ -46,6 +46,27 @@ def test_repeats_inside_one_batch_keep_the_last_value(client, db, worker):
     assert _rows(db) == [("a", -1, 1, 2.0)]
 
 
+def _deliveries(client, headers, run_id) -> dict[tuple[str, int], tuple[int, int]]:
+    response = client.get(f"/api/v1/runs/{run_id}/metrics/deliveries", headers=headers)
+    assert response.status_code == 200, response.text
+    return {(s["key"], s["host"]): (s["values_posted"], s["values_stored"]) for s in response.json()["series"]}
+
+
+def test_duplicates_the_upsert_collapses_stay_countable(client, db, worker, submitter):
+    """Rows stored cannot show a duplicate (the primary key collapses it); the delivery count can."""
+    run_id = insert_run(db, RunStatus.RUNNING)
+    rows = [{"step": s, "host": h, "values": {"a": float(s), "b": 1.0}} for s in range(4) for h in (-1, 0)]
+    _post(client, worker, run_id, rows)
+    assert _deliveries(client, submitter, run_id) == {(k, h): (4, 4) for k in "ab" for h in (-1, 0)}  # once each
+    _post(client, worker, run_id, rows[:3])  # a retried part of the batch: steps 0-1 of host -1, step 0 of host 0
+    _post(client, worker, run_id, [{"step": 9, "values": {"a": 1.0}}, {"step": 9, "values": {"a": 2.0}}])
+    counts = _deliveries(client, submitter, run_id)
+    assert counts[("a", -1)] == (4 + 2 + 2, 5) and counts[("b", -1)] == (4 + 2, 4)
+    assert counts[("a", 0)] == (5, 4) and counts[("b", 0)] == (5, 4)
+    assert len(_rows(db)) == 17  # what a row count sees: no trace of the 7 repeated values
+    assert_error(client.get("/api/v1/runs/4242/metrics/deliveries", headers=submitter), 404, "RUN_NOT_FOUND")
+
+
 def test_metrics_arrive_for_finished_runs_too(client, db, worker):
     # Workers buffer during outages and deliver late; the run may have ended meanwhile.
     run_id = insert_run(db, RunStatus.SUCCEEDED)
