@@ -29,6 +29,25 @@ def _load(path: Path) -> RunSpec:
         raise typer.Exit(2) from None
 
 
+RewardModulesOpt = typer.Option(
+    "", "--reward-modules",
+    help="module prefixes (comma-separated) that `package.module:function` rewards may be imported from; "
+         "default: none, registered rewards only")
+
+
+def _allow_rewards(spec: RunSpec, reward_modules: str, where: str) -> None:
+    """Set this process's reward allowlist and refuse a spec naming a reward outside it, before anything
+    is imported: the host re-checks what the API accepted (a forged start message stops here)."""
+    from locojax.rewards import allow_reward_modules, allowed_reward_modules, check_reward_names
+
+    allow_reward_modules(reward_modules)
+    refused = check_reward_names(spec.task.reward or [], allowed_reward_modules())
+    if refused:
+        lines = "; ".join(f"task.reward.{index}: {message}" for index, message in refused)
+        typer.secho(f"{where}: refused: {lines}", fg="red", err=True)
+        raise typer.Exit(2)
+
+
 def configure_jax(devices_per_host: int) -> None:
     """Give this process `devices_per_host` CPU devices (ignored by accelerator backends)."""
     import jax
@@ -53,6 +72,9 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists "
                                                            "(exit code 3)"),
+    reward_modules: str = RewardModulesOpt,
+    ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                              help="DA: the operator's Ray cluster; default: a private one here"),
 ) -> None:
     """Train a run (GRPO, or SFT for `kind: sft`): in this process when it has one host, else start its
     hosts with `launch`."""
@@ -61,9 +83,10 @@ def train(
                  if v is not None}
     if overrides:
         spec = _with(spec, **overrides)
+    _allow_rewards(spec, reward_modules, str(spec_path))
     placement = spec.placement
     if spec.kind == "grpo" and placement.mode == "co" and placement.hosts > 1:
-        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file)
+        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file, reward_modules)
         return
     single_host = spec.kind == "sft" or placement.mode == "co"
     configure_jax(placement.devices_per_host if single_host else placement.hosts * placement.devices_per_host)
@@ -71,7 +94,8 @@ def train(
     from locojax.modes.da import DAError
 
     try:
-        result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file)
+        extra = {"ray_address": ray_address} if ray_address and spec.kind == "grpo" and placement.mode == "da" else {}
+        result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file, **extra)
     except DAError as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
@@ -89,10 +113,12 @@ def host(
     resume: bool = typer.Option(False, "--resume"),
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists"),
     quiet: bool = typer.Option(False, "--quiet"),
+    reward_modules: str = RewardModulesOpt,
 ) -> None:
     """Run one host of a multi-host job: what every TPU VM (or simulated host) runs. An SFT spec
     (`kind: sft`) runs here too, as the single host of its job."""
     spec = _load(spec_path)
+    _allow_rewards(spec, reward_modules, str(spec_path))
     if spec.kind == "sft" and num_processes > 1:
         typer.secho(f"{spec_path}: placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), "
                     f"but this host was started as one of --num-processes {num_processes}", fg="red", err=True)
@@ -121,7 +147,7 @@ def host(
 
 
 def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool,
-                 cancel_file: Path | None = None) -> None:
+                 cancel_file: Path | None = None, reward_modules: str = "") -> None:
     import tempfile
 
     from locojax.launch import LaunchError, launch
@@ -131,6 +157,7 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         handle.write(dump_spec(spec))
     extra = (["--resume"] if resume else []) + (["--quiet"] if quiet else [])
+    extra += ["--reward-modules", reward_modules] if reward_modules else []
     # Every host watches the same file; CO hosts agree on it in their per-step gather.
     extra += ["--cancel-file", str(cancel_file)] if cancel_file is not None else []
     try:
@@ -148,12 +175,14 @@ def launch_command(
     devices_per_host: int = typer.Option(1, help="CPU devices per host process"),
     resume: bool = typer.Option(False, "--resume"),
     quiet: bool = typer.Option(False, "--quiet"),
+    reward_modules: str = RewardModulesOpt,
 ) -> None:
     """Start HOSTS `locojax host` processes here (pinned to their own cores, on a free loopback port);
     if one fails, the rest are stopped and the failure is reported."""
     spec = _load(spec_path)
     spec = _with(spec, placement={**spec.placement.model_dump(), "hosts": hosts, "devices_per_host": devices_per_host})
-    _launch_spec(spec, hosts, devices_per_host, resume, quiet)
+    _allow_rewards(spec, reward_modules, str(spec_path))
+    _launch_spec(spec, hosts, devices_per_host, resume, quiet, reward_modules=reward_modules)
 
 
 def sft(

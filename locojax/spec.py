@@ -94,11 +94,12 @@ class OptimSpec(_Strict):
 
 
 class PlacementSpec(_Strict):
+    # No address field: a spec never names a network endpoint (DESIGN §4). A DA run's Ray cluster is a
+    # private one on its host, or the operator's (`locojax train --ray-address`, LOCOJAX_RAY_ADDRESS).
     mode: Mode = "co"
     hosts: int = Field(1, ge=1, le=4096)
     devices_per_host: int = Field(1, ge=1, le=64)
     rollout_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="DA only: share of hosts doing rollout")
-    ray_address: str | None = Field(None, max_length=512, description="DA only: an existing Ray cluster")
     decision_id: int | None = Field(None, ge=1, description="the placement decision this run follows")
 
     @model_validator(mode="after")

@@ -39,6 +39,14 @@ class Settings(BaseSettings):
     # (output_dir, checkpoint.dir) by host processes; the API refuses any that leave these roots.
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path(".")])
     runs_root: Path = Path("runs")
+    # A spec's reward may be `package.module:function` only under one of these module prefixes
+    # (comma-separated, e.g. `LOCOJAX_REWARD_MODULES=mycompany.rewards,tests.locojax`). Empty: registered
+    # rewards only. Workers read the same variable and their engine processes check it again.
+    reward_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="module prefixes custom reward functions may be imported from")
+    ray_address: str = Field(
+        "", max_length=512, description="an operator-run Ray cluster for DA runs (a worker setting); default: each DA "
+                                        "run starts a private Ray on its own host, bound to 127.0.0.1")
 
     bind_host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -98,6 +106,13 @@ class Settings(BaseSettings):
             return [part for part in value.split(os.pathsep) if part.strip()]
         return value
 
+    @field_validator("reward_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        from locojax.rewards import split_prefixes
+
+        return list(split_prefixes(value)) if isinstance(value, (str, list, tuple)) else value
+
     @model_validator(mode="after")
     def _defaults_from_home(self) -> "Settings":
         # frozen=True: fill derived defaults through object.__setattr__ once, at construction.
@@ -119,12 +134,16 @@ class Settings(BaseSettings):
     def as_environment(self, **extra: str) -> dict[str, str]:
         """This process's environment with these settings as LOCOJAX_* variables (and `extra` on top):
         what a child process (the API or a worker started by `locojax up`) needs to see the same
-        configuration."""
+        configuration. Secrets are passed as their real values (`model_dump` would give `**********`,
+        and a child would sign dashboard cookies with that public constant)."""
         env = dict(os.environ)
-        for name, value in self.model_dump().items():
+        for name in type(self).model_fields:
+            value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, list):
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, list):
                 value = os.pathsep.join(str(item) for item in value)
             elif isinstance(value, bool):
                 value = "true" if value else "false"

@@ -103,9 +103,28 @@ def test_unknown_task_and_reward_names_are_422_naming_the_field(client, db, subm
     assert _run_count(db) == 0
 
 
-def test_registered_and_importable_reward_names_are_accepted(client, submitter):
-    spec = {"name": "names", "task": {"name": "countdown", "reward": ["countdown", "my_rewards.module:score"]}}
-    assert client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).status_code == 201
+@pytest.mark.parametrize("reward", ["builtins:print", "shutil:rmtree", "pty:spawn", "my_rewards.module:score"])
+def test_import_path_rewards_outside_the_allowlist_are_422(client, db, submitter, reward):
+    spec = {"name": "names", "task": {"name": "countdown", "reward": ["countdown", reward]}}
+    error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "UNKNOWN_NAME")
+    assert [item["field"] for item in error["details"]] == ["spec.task.reward.1"]
+    assert "not allowed by the operator" in error["details"][0]["message"]
+    assert _run_count(db) == 0
+
+
+def test_registered_and_allowed_reward_names_are_accepted(backend, submitter):
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+
+    # The same database, served under an operator's allowlist.
+    settings = backend.settings.model_copy(update={"reward_modules": ["my_rewards", "tests.locojax"]})
+    with TestClient(create_app(settings, plugins=False)) as client:
+        spec = {"name": "names", "task": {"name": "countdown", "reward": ["countdown", "my_rewards.module:score"]}}
+        assert client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).status_code == 201
+        spec["task"]["reward"] = ["my_rewardsx.module:score"]
+        error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "UNKNOWN_NAME")
+        assert error["details"][0]["field"] == "spec.task.reward.0"
 
 
 def test_unknown_decision_is_422(client, db, submitter):
