@@ -95,6 +95,14 @@ class Settings(BaseSettings):
     dashboard_session_ttl_s: float = Field(12 * 3600.0, gt=0, description="a dashboard login lasts this long")
     dashboard_secure_cookies: bool | None = Field(
         None, description="mark the session cookie Secure; default: when the request came over https")
+    trust_forwarded_proto: bool = Field(
+        False, description="a proxy in front terminates TLS and sets X-Forwarded-Proto: session cookies are Secure "
+                           "when it says https (set only when every request comes through that proxy)")
+    login_failures_per_minute: int = Field(10, ge=1, description="failed dashboard logins per client address per "
+                                                                 "minute before further tries get 429")
+    trusted_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"], description="Host header values the API answers (comma-separated, "
+                                                   "`*.example.com` allowed); `*`: any (the embedded default)")
     dashboard_poll_s: float = Field(2.0, gt=0, description="how often live dashboard widgets refresh")
     dashboard_chart_points: int = Field(300, ge=10, le=10_000, description="points per chart series (downsampled)")
 
@@ -104,6 +112,13 @@ class Settings(BaseSettings):
         # `NoDecode` keeps pydantic-settings from JSON-decoding the env var, so a PATH-like list works.
         if isinstance(value, str):
             return [part for part in value.split(os.pathsep) if part.strip()]
+        return value
+
+    @field_validator("trusted_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.replace(os.pathsep, ",").split(",") if part.strip()]
         return value
 
     @field_validator("reward_modules", mode="before")

@@ -171,6 +171,13 @@ def split_hosts(spec: RunSpec) -> tuple[int, int]:
     return rollout_hosts, spec.placement.hosts - rollout_hosts
 
 
+def _private_ray_auth() -> None:
+    """Token auth for a private Ray: one random token per engine process, set before `import ray`
+    (Ray reads its auth mode when it is imported), inherited by the Ray processes this one starts."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+
 def _start_ray(total_cpus: int, ray_address: str | None):
     """Join the operator's Ray cluster (`ray_address`, never a spec field: results from it are
     unpickled), or start a private one for this run: bound to 127.0.0.1, with Ray's token auth on under
@@ -183,8 +190,6 @@ def _start_ray(total_cpus: int, ray_address: str | None):
     if ray_address:
         ray.init(address=ray_address, log_to_driver=False)
         return True
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     ray.init(num_cpus=total_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              resources={"locojax_rollout": 64, "locojax_train": 64}, configure_logging=False)
     return True
@@ -225,6 +230,8 @@ def run_da(
 ) -> RunResult:
     """`ray_address`: an operator's Ray cluster (the `--ray-address` of `locojax train`); default: a
     private one on this host."""
+    if not ray_address:
+        _private_ray_auth()
     import ray
 
     from locojax.rewards import allowed_reward_modules
