@@ -61,8 +61,8 @@ class RolloutSpec(_Strict):
                                   description="prompts per step (GRPO: each sampled group_size times); "
                                   "SFT: the batch size, examples per step")
     group_size: int = Field(8, ge=1, le=1024)
-    max_prompt_tokens: int = Field(128, ge=1, le=131072, description="prompt slots (left-padded, left-truncated)")
-    max_new_tokens: int = Field(24, ge=1, le=131072,
+    max_prompt_tokens: int = Field(128, ge=1, le=32768, description="prompt slots (left-padded, left-truncated)")
+    max_new_tokens: int = Field(24, ge=1, le=32768,
                                 description="completion slots; SFT: reference + EOS slots (longer ones are cut)")
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -126,7 +126,7 @@ class PlacementSpec(_Strict):
 
 class CheckpointSpec(_Strict):
     every: int = Field(25, ge=0, le=10_000_000, description="0 disables periodic checkpoints")
-    keep: int = Field(3, ge=1, le=1000)
+    keep: int = Field(3, ge=1, le=100)
     dir: str | None = Field(None, max_length=4096, description="default: <output_dir>/checkpoints")
 
 
@@ -149,7 +149,7 @@ class RunSpec(_Strict):
     placement: PlacementSpec = PlacementSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     output_dir: str | None = Field(None, max_length=4096, description="default: runs/<name>")
-    max_restarts: int = Field(2, ge=0, le=100)
+    max_restarts: int = Field(2, ge=0, le=10)
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "RunSpec":

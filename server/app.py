@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from server.api import catalog, events, health, hosts, metrics, placement, runs, tokens
-from server.api.deps import reject_nul_characters
+from server.api.deps import StreamSlots, reject_nul_characters
 from server.db import Database, upgrade_to_head
 from server.errors import ApiError
 from server.middleware import BodySizeLimitMiddleware, SecurityHeadersMiddleware
@@ -154,6 +154,7 @@ def create_app(settings: Settings, *, plugins: bool = True) -> FastAPI:
     app.state.scheduler = None
     app.state.prometheus = Prometheus(db, settings)
     app.state.token_cache = TokenCache(settings.token_cache_s)
+    app.state.stream_slots = StreamSlots(settings.sse_streams_per_token)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(PrometheusMiddleware, prometheus=app.state.prometheus)
     app.add_middleware(SecurityHeadersMiddleware)

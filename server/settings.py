@@ -59,6 +59,7 @@ class Settings(BaseSettings):
     page_size_default: int = Field(50, ge=1)
     page_size_max: int = Field(200, ge=1)
     metrics_batch_max_values: int = Field(100_000, ge=1, description="values in one ingest request")
+    metric_keys_per_run_max: int = Field(1_000, ge=1, description="distinct metric keys one run may hold")
     events_batch_max: int = Field(1_000, ge=1)
     history_max_points: int = Field(10_000, ge=2, description="upper bound of max_points in history queries")
     history_max_series: int = Field(64, ge=1)
@@ -79,6 +80,8 @@ class Settings(BaseSettings):
     requeue_backoff_max_s: float = Field(60.0, gt=0)
 
     sse_poll_s: float = Field(0.5, gt=0, description="how often an SSE follower looks for new events")
+    sse_streams_per_token: int = Field(8, ge=1, description="event streams (SSE) one token may hold open at once, "
+                                                            "per API process")
     sse_max_s: float = Field(
         900.0, gt=0, description="an SSE stream closes after this long; EventSource reconnects with Last-Event-ID"
     )

@@ -387,3 +387,17 @@ def test_oversize_and_deeply_nested_bodies_are_refused_in_the_error_shape(backen
         assert _run_count(backend.db) == 0
     finally:
         small.state.db.dispose()
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"rollout": {"max_new_tokens": 32_769}}, "spec.rollout.max_new_tokens"),
+    ({"rollout": {"max_prompt_tokens": 32_769}}, "spec.rollout.max_prompt_tokens"),
+    ({"checkpoint": {"keep": 101}}, "spec.checkpoint.keep"),
+    ({"max_restarts": 11}, "spec.max_restarts"),
+    ({"placement": {"mode": "da", "hosts": 2, "ray_address": "attacker.example:6379"}}, "spec.placement.ray_address"),
+])
+def test_limits_a_real_run_would_never_pass_are_422_naming_the_field(client, db, submitter, override, field):
+    error = assert_error(client.post("/api/v1/runs", json={"spec": {"name": "limits", **override}},
+                                     headers=submitter), 422)
+    assert [item["field"] for item in error["details"]] == [field]
+    assert _run_count(db) == 0
