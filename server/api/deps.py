@@ -127,6 +127,18 @@ def json_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def _require_utf8(body: bytes) -> None:
+    """JSON bodies must be UTF-8 (RFC 8259 §8.1). `json.loads` on bytes would also take UTF-16 and UTF-32,
+    which no client of ours sends and which slip past byte-level checks such as the NUL rule below. A raw
+    NUL byte never occurs in UTF-8 JSON, and is what UTF-16/32 encodings of ASCII text are full of."""
+    if b"\x00" in body or body.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise InvalidInputError.for_field("body", "the body must be UTF-8 JSON (UTF-16 and UTF-32 are refused)")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError.for_field("body", f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
 async def reject_nul_characters(request: Request) -> None:
     """PostgreSQL cannot store NUL in text or JSONB; refuse it up front, the same on every backend.
 
@@ -138,6 +150,9 @@ async def reject_nul_characters(request: Request) -> None:
             raise InvalidInputError.for_field(name, "NUL characters are not allowed")
     if request.method in ("POST", "PUT", "PATCH"):
         body = await request.body()
+        content_type = request.headers.get("content-type", "")
+        if body and not content_type.startswith(("application/x-www-form-urlencoded", "multipart/")):
+            _require_utf8(body)
         if b"\\u0000" in body and _NUL_ESCAPE.search(body):
             raise InvalidInputError.for_field("body", "strings must not contain NUL (\\u0000) characters")
 

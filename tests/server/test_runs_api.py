@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import concurrent.futures
 
 import pytest
@@ -400,4 +401,20 @@ def test_limits_a_real_run_would_never_pass_are_422_naming_the_field(client, db,
     error = assert_error(client.post("/api/v1/runs", json={"spec": {"name": "limits", **override}},
                                      headers=submitter), 422)
     assert [item["field"] for item in error["details"]] == [field]
+    assert _run_count(db) == 0
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_json_bodies_that_are_not_utf8_are_refused(client, db, submitter, encoding):
+    body = json.dumps({"spec": {"name": "wide"}}).encode(encoding)
+    response = client.post("/api/v1/runs", content=body, headers={**submitter, "Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500
+    assert response.json()["error"]["details"][0]["field"] == "body"
+    assert _run_count(db) == 0
+
+
+def test_invalid_utf8_bytes_in_a_json_body_are_refused(client, db, submitter):
+    response = client.post("/api/v1/runs", content=b'{"spec": {"name": "\xff\xfe"}}',
+                           headers={**submitter, "Content-Type": "application/json"})
+    assert_error(response, 422, "VALIDATION_ERROR")
     assert _run_count(db) == 0

@@ -3,6 +3,7 @@ security headers, failed-login rate limiting, the Host allowlist and Secure cook
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi.testclient import TestClient
@@ -89,3 +90,37 @@ def test_the_cookie_is_secure_over_tls_or_behind_a_proxy_that_says_so(site: Site
         assert "Secure" not in client.get("/login", headers={"X-Forwarded-Proto": "https"}).headers["set-cookie"]
     with TestClient(_app_with(site), base_url="https://testserver", follow_redirects=False) as client:
         assert "Secure" in client.get("/login").headers["set-cookie"]
+
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+def test_dashboard_posts_do_their_database_and_yaml_work_off_the_event_loop(submitter: Browsing, monkeypatch):
+    # Called from an async route directly, these would find a running event loop in their thread.
+    from server.services import placement as placement_service
+    from server.services import runs as run_service
+    from web import forms
+
+    on_loop: dict[str, bool] = {}
+
+    def spy(name, real):
+        def wrapped(*args, **kwargs):
+            on_loop[name] = _on_event_loop()
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(run_service, "create", spy("create", run_service.create))
+    monkeypatch.setattr(placement_service, "recommend", spy("recommend", placement_service.recommend))
+    monkeypatch.setattr(forms.yaml, "safe_load", spy("yaml", forms.yaml.safe_load))
+    monkeypatch.setattr(token_service, "authenticate", spy("login", token_service.authenticate))
+    assert submitter.post("/runs/new", {"name": "off-loop", "spec_yaml": "steps: 3"}).status_code == 303
+    assert submitter.post("/placement", {"model": "qwen3-0.6b", "hardware": "tpu-v5e", "chips": "8",
+                                         "workload": "gsm8k"}).status_code == 303
+    login(submitter.site.client(), submitter.site.tokens["submit"])
+    assert on_loop == {"create": False, "recommend": False, "yaml": False, "login": False}, on_loop
