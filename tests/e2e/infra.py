@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,9 @@ class PrivateRedis:
         self.kill()
 
 
+DASHBOARD_SECRET = "e2e-" + secrets.token_hex(16)
+
+
 def engine_environment(work: Path) -> dict[str, str]:
     """What the workers pass on to their engine processes: one persistent JAX compilation cache for the
     session, so every run and restart after the first skips compiling the tiny model again (seconds
@@ -190,6 +194,8 @@ class Stack:
                 log_level="info", max_body_bytes=1024 * 1024, metrics_batch_max_values=5_000,
                 # The operator allows the test rewards' module (tests/e2e/faults.py holds steps with one).
                 reward_modules=["tests.locojax.rewards_for_tests"],
+                # As an operator would set them (tests/e2e/attacks.py tries the dashboard with both).
+                dashboard_secret=DASHBOARD_SECRET, trusted_hosts=["127.0.0.1", "localhost"],
             )
             values.update(overrides)
             port = free_port()

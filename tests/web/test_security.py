@@ -124,3 +124,20 @@ def test_dashboard_posts_do_their_database_and_yaml_work_off_the_event_loop(subm
                                          "workload": "gsm8k"}).status_code == 303
     login(submitter.site.client(), submitter.site.tokens["submit"])
     assert on_loop == {"create": False, "recommend": False, "yaml": False, "login": False}, on_loop
+
+
+def test_dashboard_event_streams_count_against_the_tokens_stream_cap(submitter: Browsing, monkeypatch):
+    from server.api.deps import StreamSlots
+    from server.models import RunStatus
+    from tests.server.helpers import insert_run
+
+    slots = StreamSlots(per_token=1)
+    monkeypatch.setattr(submitter.site.app.state, "stream_slots", slots)
+    run_id = insert_run(submitter.site.db, RunStatus.SUCCEEDED)
+    with submitter.site.db.read_session() as session:
+        token_id = next(t.id for t in token_service.list_all(session) if t.scope_set == {"submit"})
+    slots.acquire(token_id)  # a stream this token already holds (through the API, say)
+    assert submitter.client.get(f"/runs/{run_id}/events/stream").status_code == 429
+    slots.release(token_id)
+    assert submitter.client.get(f"/runs/{run_id}/events/stream").status_code == 200
+    assert slots.open_for(token_id) == 0  # given back when the stream ended
