@@ -32,6 +32,7 @@ from typing import Annotated
 from urllib.parse import quote, urlsplit
 
 from fastapi import Depends, Request
+from sqlalchemy import delete
 from sqlalchemy.orm import Session
 from starlette.responses import Response
 
@@ -156,6 +157,8 @@ def start_login(session: Session, settings: Settings, token: ApiToken) -> WebSes
                              expires_at=time.time() + settings.dashboard_session_ttl_s,
                              session_id=secrets.token_urlsafe(32))
     assert web_session.session_id is not None
+    # Expired sessions are refused anyway; each login clears them away, so the table stays small.
+    session.execute(delete(WebSessionRow).where(WebSessionRow.expires_at < datetime.now(timezone.utc)))
     session.add(WebSessionRow(id_hash=_session_hash(web_session.session_id), token_id=token.id,
                               expires_at=datetime.fromtimestamp(web_session.expires_at, timezone.utc)))
     return web_session

@@ -141,3 +141,21 @@ def test_dashboard_event_streams_count_against_the_tokens_stream_cap(submitter: 
     slots.release(token_id)
     assert submitter.client.get(f"/runs/{run_id}/events/stream").status_code == 200
     assert slots.open_for(token_id) == 0  # given back when the stream ended
+
+
+def test_a_login_clears_expired_session_rows(site: Site):
+    from datetime import datetime, timedelta, timezone
+
+    from sqlalchemy import select
+
+    from server.models import WebSession as WebSessionRow
+
+    with site.db.write_session() as session:
+        token_id = token_service.list_all(session)[0].id
+        session.add(WebSessionRow(id_hash="e" * 64, token_id=token_id,
+                                  expires_at=datetime.now(timezone.utc) - timedelta(seconds=1)))
+        session.commit()
+    login(site.client(), site.tokens["submit"])
+    with site.db.read_session() as session:
+        hashes = set(session.scalars(select(WebSessionRow.id_hash)))
+    assert "e" * 64 not in hashes and hashes  # the expired row is gone, the new login's row is there
