@@ -49,3 +49,24 @@ def test_a_host_refuses_a_reward_outside_its_allowlist_before_starting(tmp_path:
     assert "task.reward.1: reward module 'builtins' is not allowed by the operator" in done.stderr
     assert "allowed module prefixes: tests.locojax" in done.stderr
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
+
+
+def test_the_engine_command_carries_the_operators_allowlist_and_ray_cluster(tmp_path: Path):
+    from locojax.spec import RunSpec
+    from worker.supervisor import HostSupervisor, WorkerContext
+
+    context = WorkerContext(host_name="h0", api=None, reward_modules=("mycompany.rewards", "tests.locojax"),
+                            ray_address="10.0.0.5:6379")
+    spec_path = tmp_path / "spec.yaml"
+
+    def command(role: str, mode: str) -> list[str]:
+        supervisor = HostSupervisor(context, run_id=1, attempt=0, process_index=0, num_processes=1, role=role,
+                                    resume=False, output_dir=str(tmp_path))
+        placement = {"mode": mode, "hosts": 2 if mode == "da" else 1}
+        return supervisor.command(RunSpec.model_validate({"placement": placement}), spec_path, None)
+
+    da = command("controller", "da")
+    assert da[da.index("--reward-modules") + 1] == "mycompany.rewards,tests.locojax"
+    assert da[da.index("--ray-address") + 1] == "10.0.0.5:6379"
+    co = command("co", "co")
+    assert "--ray-address" not in co and co[co.index("--reward-modules") + 1] == "mycompany.rewards,tests.locojax"
