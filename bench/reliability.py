@@ -10,10 +10,14 @@ host workers on them, then runs every scenario of tests/e2e (the same code the t
   faults      kill -9 of an engine process, of a worker, Redis restart, PostgreSQL stopped for 10 s,
               kill -9 of the API: each run SUCCEEDED, every step's metrics stored, none lost, none stale
   load        `--clients` concurrent clients for `--duration` s while a run trains
+  attacks     issue 18: rewards outside the operator's allowlist (and a spec forged in the database),
+              spec-named endpoints, an engine process looking for credentials, cookie forgery and replay
+              after logout, framing, a foreign Host, login brute force, oversized inputs; per attack
+              what was sent, what came back, blocked or not
 
 Writes bench/results/reliability.json (per scenario: passed, recover_s, metrics_lost, values_reposted, checks,
 details; for load: requests, errors, p50/p99 latency). The last line printed is
-`faults_survived=<n>/<total> bad_inputs_rejected=<n>/<total> load_errors=<n>`.
+`faults_survived=<n>/<total> bad_inputs_rejected=<n>/<total> load_errors=<n> attacks_blocked=<n>/<tried>`.
 
     .venv/bin/python bench/reliability.py [--duration 60] [--clients 50] [--only load,kill_api]
 """
@@ -47,11 +51,13 @@ def summary(results: dict[str, dict]) -> dict[str, object]:
     faults = group("fault")
     bad = {key: value for key, value in group("bad_input").items() if "cases" in value["details"]}
     load = results.get("load")
+    attack = results.get("attacks", {}).get("details", {})
     return {
         "faults_survived": sum(value["passed"] for value in faults.values()), "faults_total": len(faults),
         "bad_inputs_rejected": sum(value["details"].get("rejected", 0) for value in bad.values()),
         "bad_inputs_total": sum(value["details"]["cases"] for value in bad.values()),
         "load_errors": load["details"].get("errors") if load and "errors" in load["details"] else None,
+        "attacks_tried": attack.get("attacks_tried"), "attacks_blocked": attack.get("attacks_blocked"),
         "scenarios_passed": sum(value["passed"] for value in results.values()), "scenarios_total": len(results),
     }
 
@@ -116,7 +122,7 @@ def main() -> int:
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     print(f"faults_survived={totals['faults_survived']}/{totals['faults_total']} "
           f"bad_inputs_rejected={totals['bad_inputs_rejected']}/{totals['bad_inputs_total']} "
-          f"load_errors={totals['load_errors']}")
+          f"load_errors={totals['load_errors']} attacks_blocked={totals['attacks_blocked']}/{totals['attacks_tried']}")
     return 0 if all(result["passed"] for result in results.values()) else 1
 
 

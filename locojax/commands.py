@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
-from locojax.spec import RunSpec, SpecError, load_spec, parse_spec
+from locojax.spec import EvalSpec, RunSpec, SpecError, load_spec, parse_spec
 
 # Exit code of `train`/`host` after a cooperative cancel; the worker reports such a process as stopped,
 # not failed (worker/protocol.py names the same value).
@@ -44,6 +44,29 @@ def _check_data(spec: RunSpec, source: Path) -> None:
         raise typer.Exit(2) from None
 
 
+RewardModulesOpt = typer.Option(
+    "", "--reward-modules",
+    help="module prefixes (comma-separated) that `package.module:function` rewards may be imported from; "
+         "default: none, registered rewards only")
+
+
+def _allow_rewards(spec: RunSpec, reward_modules: str, where: str, eval_spec: EvalSpec | None = None) -> None:
+    """Set this process's reward allowlist and refuse a spec naming a reward outside it, before anything
+    is imported: the host re-checks what the API accepted (a forged start message stops here). The eval
+    block's rewards (`eval_spec`, default the spec's own) are checked the same way."""
+    from locojax.rewards import allow_reward_modules, allowed_reward_modules, check_reward_names
+
+    allow_reward_modules(reward_modules)
+    eval_spec = eval_spec or spec.eval
+    named = {"task.reward": spec.task.reward or [], "eval.reward": (eval_spec.reward if eval_spec else None) or []}
+    refused = [(f"{field}.{index}", message) for field, names in named.items()
+               for index, message in check_reward_names(names, allowed_reward_modules())]
+    if refused:
+        lines = "; ".join(f"{field}: {message}" for field, message in refused)
+        typer.secho(f"{where}: refused: {lines}", fg="red", err=True)
+        raise typer.Exit(2)
+
+
 def configure_jax(devices_per_host: int) -> None:
     """Give this process `devices_per_host` CPU devices (ignored by accelerator backends)."""
     import jax
@@ -68,6 +91,9 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists "
                                                            "(exit code 3)"),
+    reward_modules: str = RewardModulesOpt,
+    ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                              help="DA: the operator's Ray cluster; default: a private one here"),
 ) -> None:
     """Train a run (GRPO, or SFT for `kind: sft`): in this process when it has one host, else start its
     hosts with `launch`."""
@@ -76,10 +102,11 @@ def train(
                  if v is not None}
     if overrides:
         spec = _with(spec, **overrides)
+    _allow_rewards(spec, reward_modules, str(spec_path))
     _check_data(spec, spec_path)
     placement = spec.placement
     if spec.kind == "grpo" and placement.mode == "co" and placement.hosts > 1:
-        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file)
+        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file, reward_modules)
         return
     single_host = spec.kind == "sft" or placement.mode == "co"
     configure_jax(placement.devices_per_host if single_host else placement.hosts * placement.devices_per_host)
@@ -87,7 +114,8 @@ def train(
     from locojax.modes.da import DAError
 
     try:
-        result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file)
+        extra = {"ray_address": ray_address} if ray_address and spec.kind == "grpo" and placement.mode == "da" else {}
+        result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file, **extra)
     except DAError as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
@@ -105,10 +133,12 @@ def host(
     resume: bool = typer.Option(False, "--resume"),
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists"),
     quiet: bool = typer.Option(False, "--quiet"),
+    reward_modules: str = RewardModulesOpt,
 ) -> None:
     """Run one host of a multi-host job: what every TPU VM (or simulated host) runs. An SFT spec
     (`kind: sft`) runs here too, as the single host of its job."""
     spec = _load(spec_path)
+    _allow_rewards(spec, reward_modules, str(spec_path))
     if spec.kind == "sft" and num_processes > 1:
         typer.secho(f"{spec_path}: placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), "
                     f"but this host was started as one of --num-processes {num_processes}", fg="red", err=True)
@@ -138,7 +168,7 @@ def host(
 
 
 def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool,
-                 cancel_file: Path | None = None) -> None:
+                 cancel_file: Path | None = None, reward_modules: str = "") -> None:
     import tempfile
 
     from locojax.launch import LaunchError, launch
@@ -148,6 +178,7 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         handle.write(dump_spec(spec))
     extra = (["--resume"] if resume else []) + (["--quiet"] if quiet else [])
+    extra += ["--reward-modules", reward_modules] if reward_modules else []
     # Every host watches the same file; CO hosts agree on it in their per-step gather.
     extra += ["--cancel-file", str(cancel_file)] if cancel_file is not None else []
     try:
@@ -165,12 +196,14 @@ def launch_command(
     devices_per_host: int = typer.Option(1, help="CPU devices per host process"),
     resume: bool = typer.Option(False, "--resume"),
     quiet: bool = typer.Option(False, "--quiet"),
+    reward_modules: str = RewardModulesOpt,
 ) -> None:
     """Start HOSTS `locojax host` processes here (pinned to their own cores, on a free loopback port);
     if one fails, the rest are stopped and the failure is reported."""
     spec = _load(spec_path)
     spec = _with(spec, placement={**spec.placement.model_dump(), "hosts": hosts, "devices_per_host": devices_per_host})
-    _launch_spec(spec, hosts, devices_per_host, resume, quiet)
+    _allow_rewards(spec, reward_modules, str(spec_path))
+    _launch_spec(spec, hosts, devices_per_host, resume, quiet, reward_modules=reward_modules)
 
 
 def sft(
@@ -215,11 +248,10 @@ def eval_command(
                                     "(<output_dir>/checkpoints of a run; its latest step)"),
     prompts: Optional[int] = typer.Option(None, help="override eval.prompts"),
     k: Optional[int] = typer.Option(None, help="override eval.k"),
+    reward_modules: str = RewardModulesOpt,
 ) -> None:
     """Evaluate a saved model on the spec's held-out prompts (its eval block, or the defaults): greedy
     accuracy and pass@k, in this process on placement.devices_per_host devices."""
-    from locojax.spec import EvalSpec
-
     spec = _load(spec_path)
     overrides = {name: value for name, value in {"prompts": prompts, "k": k}.items() if value is not None}
     try:
@@ -228,6 +260,7 @@ def eval_command(
         errors = [(".".join(["eval", *map(str, err["loc"])]), err["msg"]) for err in exc.errors()]
         typer.secho(str(SpecError(errors, "command-line overrides")), fg="red", err=True)
         raise typer.Exit(2) from None
+    _allow_rewards(spec, reward_modules, str(spec_path), eval_spec)
     if not checkpoint.is_dir():
         typer.secho(f"--checkpoint: {checkpoint} is not a directory", fg="red", err=True)
         raise typer.Exit(2)

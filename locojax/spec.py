@@ -63,8 +63,8 @@ class RolloutSpec(_Strict):
                                   description="prompts per step (GRPO: each sampled group_size times); "
                                   "SFT: the batch size, examples per step")
     group_size: int = Field(8, ge=1, le=1024)
-    max_prompt_tokens: int = Field(128, ge=1, le=131072, description="prompt slots (left-padded, left-truncated)")
-    max_new_tokens: int = Field(24, ge=1, le=131072,
+    max_prompt_tokens: int = Field(128, ge=1, le=32768, description="prompt slots (left-padded, left-truncated)")
+    max_new_tokens: int = Field(24, ge=1, le=32768,
                                 description="completion slots; SFT: reference + EOS slots (longer ones are cut)")
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -96,11 +96,12 @@ class OptimSpec(_Strict):
 
 
 class PlacementSpec(_Strict):
+    # No address field: a spec never names a network endpoint (DESIGN §4). A DA run's Ray cluster is a
+    # private one on its host, or the operator's (`locojax train --ray-address`, LOCOJAX_RAY_ADDRESS).
     mode: Mode = "co"
     hosts: int = Field(1, ge=1, le=4096)
     devices_per_host: int = Field(1, ge=1, le=64)
     rollout_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="DA only: share of hosts doing rollout")
-    ray_address: str | None = Field(None, max_length=512, description="DA only: an existing Ray cluster")
     decision_id: int | None = Field(None, ge=1, description="the placement decision this run follows")
 
     @model_validator(mode="after")
@@ -127,7 +128,7 @@ class PlacementSpec(_Strict):
 
 class CheckpointSpec(_Strict):
     every: int = Field(25, ge=0, le=10_000_000, description="0 disables periodic checkpoints")
-    keep: int = Field(3, ge=1, le=1000)
+    keep: int = Field(3, ge=1, le=100)
     dir: str | None = Field(None, max_length=4096, description="default: <output_dir>/checkpoints")
 
 
@@ -174,7 +175,7 @@ class RunSpec(_Strict):
     placement: PlacementSpec = PlacementSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     output_dir: str | None = Field(None, max_length=4096, description="default: runs/<name>")
-    max_restarts: int = Field(2, ge=0, le=100)
+    max_restarts: int = Field(2, ge=0, le=10)
     eval: EvalSpec | None = Field(None, description="held-out evaluation; GRPO runs in CO mode only")
 
     @model_validator(mode="after")

@@ -19,12 +19,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from server.api import catalog, events, health, hosts, metrics, placement, runs, tokens
-from server.api.deps import reject_nul_characters
+from server.api.deps import StreamSlots, reject_nul_characters
 from server.db import Database, upgrade_to_head
 from server.errors import ApiError
-from server.middleware import BodySizeLimitMiddleware
+from server.middleware import BodySizeLimitMiddleware, SecurityHeadersMiddleware
 from server.observability import Prometheus, PrometheusMiddleware
 from server.services.tokens import TokenCache
 from server.settings import Settings
@@ -153,8 +154,13 @@ def create_app(settings: Settings, *, plugins: bool = True) -> FastAPI:
     app.state.scheduler = None
     app.state.prometheus = Prometheus(db, settings)
     app.state.token_cache = TokenCache(settings.token_cache_s)
+    app.state.stream_slots = StreamSlots(settings.sse_streams_per_token)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(PrometheusMiddleware, prometheus=app.state.prometheus)
+    app.add_middleware(SecurityHeadersMiddleware)
+    if settings.trusted_hosts != ["*"]:
+        # Outermost: a request for another Host (DNS rebinding, a stray vhost) gets 400 before anything runs.
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
     _install_error_handlers(app)
 
     # Routers carry their full path (API_PREFIX included) so route templates in metrics are complete.

@@ -26,6 +26,21 @@ def _database(settings: Settings):
     return Database(settings)
 
 
+def write_bootstrap_token(settings: Settings, secret: str):
+    """Write the first admin token to `<home>/bootstrap-admin-token`, mode 0600 from its creation."""
+    import os
+    from pathlib import Path
+
+    home = Path(settings.home)
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "bootstrap-admin-token"
+    path.unlink(missing_ok=True)  # O_EXCL below: never write into a file someone else prepared
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(secret + "\n")
+    return path
+
+
 def serve(
     host: Annotated[str | None, typer.Option(help="bind address (default: LOCOJAX_BIND_HOST or 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default: LOCOJAX_PORT or 8000)")] = None,
@@ -42,8 +57,11 @@ def serve(
         secret = tokens.ensure_admin(session)
     db.dispose()
     if secret:
-        # Printed once, to the terminal that started the server; only its hash is stored.
-        typer.echo(f"Created an admin token (shown once): {secret}\n  export LOCOJAX_TOKEN={secret}", err=True)
+        # Never to the log (a server's stderr is collected by its supervisor): once, to a file only this
+        # user can read; only the token's hash is stored in the database.
+        path = write_bootstrap_token(settings, secret)
+        typer.echo(f"Created an admin token; it is in {path} (readable by this user only; delete it once read)",
+                   err=True)
     uvicorn.run(create_app(settings), host=host or settings.bind_host, port=port or settings.port,
                 log_level=settings.log_level, proxy_headers=False, timeout_keep_alive=settings.keep_alive_s)
 

@@ -27,6 +27,11 @@ class ApiError(Exception):
         return {"error": {"code": self.code, "message": self.message, "details": self.details}}
 
 
+class TooManyRequestsError(ApiError):
+    status_code = 429
+    code = "TOO_MANY_REQUESTS"
+
+
 class NotFoundError(ApiError):
     status_code = 404
     code = "NOT_FOUND"

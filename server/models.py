@@ -337,3 +337,16 @@ class ApiToken(Base):
     @property
     def scope_set(self) -> frozenset[str]:
         return frozenset(self.scopes.split())
+
+
+class WebSession(Base):
+    """A dashboard login. The cookie carries a random session id; only its SHA-256 is stored. Logging
+    out sets `revoked_at`, and a cookie whose row is revoked, expired or gone is refused at once."""
+
+    __tablename__ = "web_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_id: Mapped[int] = mapped_column(ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]

@@ -7,6 +7,7 @@ naming the field instead of a silently ignored value.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -243,17 +244,32 @@ class EventsPublic(BaseModel):
 
 HostName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 
+HOST_INFO_MAX_BYTES = 16 * 1024  # a host's free-form facts, as compact JSON; every hosts page shows them
+
+
+def _bounded_info(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None:
+        size = len(json.dumps(value, separators=(",", ":"), default=str).encode())
+        if size > HOST_INFO_MAX_BYTES:
+            raise ValueError(f"info is {size} bytes as JSON; at most {HOST_INFO_MAX_BYTES} are stored")
+    return value
+
 
 class HostRegister(_In):
     name: HostName
     slice: str | None = Field(None, max_length=128)
     device_kind: str = Field("cpu", min_length=1, max_length=64)
     device_count: int = Field(1, ge=0, le=4096)
-    info: dict[str, Any] = Field(default_factory=dict, description="free-form facts: cores, versions, ...")
+    info: dict[str, Any] = Field(default_factory=dict, description="free-form facts: cores, versions, ... "
+                                                                  "(at most 16 KiB as JSON)")
+
+    _info_size = field_validator("info")(_bounded_info)
 
 
 class HostHeartbeat(_In):
-    info: dict[str, Any] | None = Field(None, description="replaces the stored info when given")
+    info: dict[str, Any] | None = Field(None, description="replaces the stored info when given (at most 16 KiB)")
+
+    _info_size = field_validator("info")(_bounded_info)
 
 
 HostLiveness = Literal["ONLINE", "STALE", "LOST"]

@@ -39,6 +39,14 @@ class Settings(BaseSettings):
     # (output_dir, checkpoint.dir) by host processes; the API refuses any that leave these roots.
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path(".")])
     runs_root: Path = Path("runs")
+    # A spec's reward may be `package.module:function` only under one of these module prefixes
+    # (comma-separated, e.g. `LOCOJAX_REWARD_MODULES=mycompany.rewards,tests.locojax`). Empty: registered
+    # rewards only. Workers read the same variable and their engine processes check it again.
+    reward_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="module prefixes custom reward functions may be imported from")
+    ray_address: str = Field(
+        "", max_length=512, description="an operator-run Ray cluster for DA runs (a worker setting); default: each DA "
+                                        "run starts a private Ray on its own host, bound to 127.0.0.1")
 
     bind_host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -51,6 +59,7 @@ class Settings(BaseSettings):
     page_size_default: int = Field(50, ge=1)
     page_size_max: int = Field(200, ge=1)
     metrics_batch_max_values: int = Field(100_000, ge=1, description="values in one ingest request")
+    metric_keys_per_run_max: int = Field(1_000, ge=1, description="distinct metric keys one run may hold")
     events_batch_max: int = Field(1_000, ge=1)
     history_max_points: int = Field(10_000, ge=2, description="upper bound of max_points in history queries")
     history_max_series: int = Field(64, ge=1)
@@ -71,6 +80,8 @@ class Settings(BaseSettings):
     requeue_backoff_max_s: float = Field(60.0, gt=0)
 
     sse_poll_s: float = Field(0.5, gt=0, description="how often an SSE follower looks for new events")
+    sse_streams_per_token: int = Field(8, ge=1, description="event streams (SSE) one token may hold open at once, "
+                                                            "per API process")
     sse_max_s: float = Field(
         900.0, gt=0, description="an SSE stream closes after this long; EventSource reconnects with Last-Event-ID"
     )
@@ -87,6 +98,14 @@ class Settings(BaseSettings):
     dashboard_session_ttl_s: float = Field(12 * 3600.0, gt=0, description="a dashboard login lasts this long")
     dashboard_secure_cookies: bool | None = Field(
         None, description="mark the session cookie Secure; default: when the request came over https")
+    trust_forwarded_proto: bool = Field(
+        False, description="a proxy in front terminates TLS and sets X-Forwarded-Proto: session cookies are Secure "
+                           "when it says https (set only when every request comes through that proxy)")
+    login_failures_per_minute: int = Field(10, ge=1, description="failed dashboard logins per client address per "
+                                                                 "minute before further tries get 429")
+    trusted_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"], description="Host header values the API answers (comma-separated, "
+                                                   "`*.example.com` allowed); `*`: any (the embedded default)")
     dashboard_poll_s: float = Field(2.0, gt=0, description="how often live dashboard widgets refresh")
     dashboard_chart_points: int = Field(300, ge=10, le=10_000, description="points per chart series (downsampled)")
 
@@ -97,6 +116,20 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part for part in value.split(os.pathsep) if part.strip()]
         return value
+
+    @field_validator("trusted_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.replace(os.pathsep, ",").split(",") if part.strip()]
+        return value
+
+    @field_validator("reward_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        from locojax.rewards import split_prefixes
+
+        return list(split_prefixes(value)) if isinstance(value, (str, list, tuple)) else value
 
     @model_validator(mode="after")
     def _defaults_from_home(self) -> "Settings":
@@ -119,12 +152,16 @@ class Settings(BaseSettings):
     def as_environment(self, **extra: str) -> dict[str, str]:
         """This process's environment with these settings as LOCOJAX_* variables (and `extra` on top):
         what a child process (the API or a worker started by `locojax up`) needs to see the same
-        configuration."""
+        configuration. Secrets are passed as their real values (`model_dump` would give `**********`,
+        and a child would sign dashboard cookies with that public constant)."""
         env = dict(os.environ)
-        for name, value in self.model_dump().items():
+        for name in type(self).model_fields:
+            value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, list):
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, list):
                 value = os.pathsep.join(str(item) for item in value)
             elif isinstance(value, bool):
                 value = "true" if value else "false"

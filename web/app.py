@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from server.settings import Settings
-from web.auth import signing_key
+from web.auth import LoginLimiter, signing_key
 from web.routes import compare, hosts, new_run, placement, runs, session
 from web.templating import STATIC_DIR, VENDOR_FILES
 
@@ -22,6 +22,7 @@ log = logging.getLogger("locojax.web")
 
 def register(app: FastAPI, settings: Settings) -> None:
     app.state.dashboard_key = signing_key(settings)
+    app.state.login_limiter = LoginLimiter(settings.login_failures_per_minute, window_s=60.0)
     missing = [name for name in VENDOR_FILES if not (STATIC_DIR / "vendor" / name).is_file()]
     if missing:
         # Pages still read fine without them (server-rendered); only live updates and charts need them.

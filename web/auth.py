@@ -1,10 +1,14 @@
 """Dashboard sessions: a login trades an API token for a signed cookie; CSRF tokens guard every form.
 
-The cookie holds `{"csrf", "tid", "exp"}` (the token's row id, never its secret), signed with HMAC-SHA256,
-HttpOnly and SameSite=Lax. Every request looks the token row up again, so revoking or expiring the token
-ends the dashboard sessions made with it at once. Visitors who are not logged in get a session too (no
+The cookie holds `{"csrf", "tid", "sid", "exp"}` (the token's row id, never its secret, and a random
+session id whose SHA-256 is a `web_sessions` row), signed with HMAC-SHA256, HttpOnly and SameSite=Lax,
+Secure over TLS or behind a proxy that says so. Every request looks both rows up again, so logging out
+(the session row is revoked) or revoking or expiring the token ends the session at once. Visitors who are not logged in get a session too (no
 `tid`): it carries the CSRF token of the login form. Logging in issues a fresh session, so a CSRF token
 seen before login is worthless after it.
+
+Failed logins are rate limited per client address (`LoginLimiter`, in process: each API replica
+counts its own).
 
 Reading needs any valid token (as in the API); changing anything (submit, cancel, resume, ask the
 recommender) needs the `submit` scope.
@@ -18,19 +22,24 @@ import hmac
 import json
 import os
 import secrets
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import quote, urlsplit
 
 from fastapi import Depends, Request
+from sqlalchemy import delete
 from sqlalchemy.orm import Session
 from starlette.responses import Response
 
 from server.api.deps import SessionDep
 from server.errors import ApiError, ForbiddenError
 from server.models import ApiToken
+from server.models import WebSession as WebSessionRow
 from server.services import tokens as token_service
 from server.settings import Settings
 
@@ -54,6 +63,7 @@ class WebSession:
     csrf: str
     token_id: int | None
     expires_at: float
+    session_id: str | None = None  # logged-in sessions only: names the web_sessions row (by its hash)
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,7 @@ def _unb64(text: str) -> bytes:
 
 
 def encode_session(key: bytes, web_session: WebSession) -> str:
-    payload = _b64(json.dumps({"csrf": web_session.csrf, "tid": web_session.token_id,
+    payload = _b64(json.dumps({"csrf": web_session.csrf, "tid": web_session.token_id, "sid": web_session.session_id,
                                "exp": int(web_session.expires_at)}, separators=(",", ":")).encode())
     signature = _b64(hmac.new(key, payload.encode(), hashlib.sha256).digest())
     return f"{payload}.{signature}"
@@ -118,26 +128,72 @@ def decode_session(key: bytes, cookie: str | None, now: float | None = None) -> 
         return None
     try:
         data = json.loads(_unb64(payload))
-        web_session = WebSession(csrf=str(data["csrf"]), token_id=data["tid"], expires_at=float(data["exp"]))
+        web_session = WebSession(csrf=str(data["csrf"]), token_id=data["tid"], expires_at=float(data["exp"]),
+                                 session_id=data.get("sid"))
     except (ValueError, KeyError, TypeError):
         return None
     if web_session.token_id is not None and not isinstance(web_session.token_id, int):
+        return None
+    if web_session.session_id is not None and not isinstance(web_session.session_id, str):
         return None
     if web_session.expires_at <= (now if now is not None else time.time()):
         return None
     return web_session
 
 
-def new_session(settings: Settings, token_id: int | None = None) -> WebSession:
-    return WebSession(csrf=secrets.token_urlsafe(32), token_id=token_id,
+def new_session(settings: Settings) -> WebSession:
+    """An anonymous session: it only carries the login form's CSRF token."""
+    return WebSession(csrf=secrets.token_urlsafe(32), token_id=None,
                       expires_at=time.time() + settings.dashboard_session_ttl_s)
+
+
+def _session_hash(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode()).hexdigest()
+
+
+def start_login(session: Session, settings: Settings, token: ApiToken) -> WebSession:
+    """A fresh logged-in session for `token`, stored as a web_sessions row."""
+    web_session = WebSession(csrf=secrets.token_urlsafe(32), token_id=token.id,
+                             expires_at=time.time() + settings.dashboard_session_ttl_s,
+                             session_id=secrets.token_urlsafe(32))
+    assert web_session.session_id is not None
+    # Expired sessions are refused anyway; each login clears them away, so the table stays small.
+    session.execute(delete(WebSessionRow).where(WebSessionRow.expires_at < datetime.now(timezone.utc)))
+    session.add(WebSessionRow(id_hash=_session_hash(web_session.session_id), token_id=token.id,
+                              expires_at=datetime.fromtimestamp(web_session.expires_at, timezone.utc)))
+    return web_session
+
+
+def end_login(session: Session, web_session: WebSession | None) -> None:
+    """Logout: the session's row is revoked, so its cookie is refused from now on, wherever it is kept."""
+    if web_session is None or web_session.session_id is None:
+        return
+    row = session.get(WebSessionRow, _session_hash(web_session.session_id))
+    if row is not None and row.revoked_at is None:
+        row.revoked_at = datetime.now(timezone.utc)
+
+
+def _live_login(session: Session, web_session: WebSession) -> bool:
+    if web_session.session_id is None:
+        return False
+    row = session.get(WebSessionRow, _session_hash(web_session.session_id))
+    return (row is not None and row.revoked_at is None and row.token_id == web_session.token_id
+            and row.expires_at > datetime.now(timezone.utc))
+
+
+def served_over_tls(request: Request, settings: Settings) -> bool:
+    """https, seen directly or, when the operator says a proxy terminates TLS in front of us
+    (`trust_forwarded_proto`), as the proxy's X-Forwarded-Proto."""
+    if request.url.scheme == "https":
+        return True
+    return settings.trust_forwarded_proto and request.headers.get("x-forwarded-proto", "").lower() == "https"
 
 
 def set_session_cookie(request: Request, response: Response, web_session: WebSession) -> None:
     settings: Settings = request.app.state.settings
     secure = settings.dashboard_secure_cookies
     if secure is None:
-        secure = request.url.scheme == "https"
+        secure = served_over_tls(request, settings)
     response.set_cookie(COOKIE_NAME, encode_session(request.app.state.dashboard_key, web_session),
                         max_age=int(web_session.expires_at - time.time()), path="/", httponly=True,
                         samesite="lax", secure=secure)
@@ -145,6 +201,44 @@ def set_session_cookie(request: Request, response: Response, web_session: WebSes
 
 def clear_session_cookie(response: Response) -> None:
     response.delete_cookie(COOKIE_NAME, path="/", httponly=True, samesite="lax")
+
+
+# --- login rate limit ------------------------------------------------------------------------------
+
+class LoginLimiter:
+    """At most `max_failures` failed logins per client address in any `window_s` seconds (a sliding
+    window); past that, logins from that address are refused until the oldest failure ages out."""
+
+    def __init__(self, max_failures: int, window_s: float = 60.0, max_clients: int = 100_000):
+        self.max_failures, self.window_s, self.max_clients = max_failures, window_s, max_clients
+        self._failures: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def _recent(self, client: str, now: float) -> deque[float]:
+        times = self._failures.get(client, deque())
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        return times
+
+    def retry_after(self, client: str, now: float | None = None) -> int | None:
+        """Seconds until `client` may try again, or None when it may now."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            times = self._recent(client, now)
+            if len(times) < self.max_failures:
+                return None
+            return max(1, int(times[0] + self.window_s - now + 0.999))
+
+    def failed(self, client: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if client not in self._failures and len(self._failures) >= self.max_clients:
+                # Bounded memory under a spray of addresses: forget clients with no recent failure.
+                for name in [name for name, times in self._failures.items() if not self._recent(name, now)]:
+                    del self._failures[name]
+            times = self._recent(client, now)
+            times.append(now)
+            self._failures[client] = times
 
 
 # --- dependencies -----------------------------------------------------------------------------------
@@ -166,7 +260,7 @@ def current_viewer(request: Request, session: SessionDep,
                    web_session: Annotated[WebSession | None, Depends(current_session)]) -> Viewer:
     if web_session is None or web_session.token_id is None:
         raise LoginRequired
-    token = _active_token(session, web_session.token_id)
+    token = _active_token(session, web_session.token_id) if _live_login(session, web_session) else None
     # End this transaction now: the events stream keeps its dependencies (this session) for as long as
     # it runs, and an open transaction would pin a pooled connection (and a snapshot) all that time.
     session.commit()

@@ -120,6 +120,7 @@ FIELDS: dict[str, FormField] = {item.name: item for group in GROUPS for item in 
 # Sections of the spec whose section-wide errors (a model validator's) show on a fieldset.
 _SECTION_GROUP = {"model": "model", "task": "model", "rollout": "rollout", "algo": "algo", "optim": "algo",
                   "placement": "placement"}
+YAML_MAX_BYTES = 64 * 1024  # the new-run form's YAML box
 # Inputs of "ask the recommender" that are not part of the spec.
 RECOMMEND_FIELDS = ("hardware", "chips", "workload")
 # Fields of a recommendation request, mapped to the form input that fills them.
@@ -207,6 +208,11 @@ class RunForm:
     # --- building the spec ------------------------------------------------------------------------
 
     def _yaml_document(self) -> dict[str, Any] | None:
+        size = len(self.yaml_text.encode("utf-8", "surrogatepass"))
+        if size > YAML_MAX_BYTES:
+            # Refused before parsing: YAML aliases make a small document expensive, a large one more so.
+            self.add_error("yaml", f"the YAML box holds {size} bytes; at most {YAML_MAX_BYTES // 1024} KiB")
+            return None
         if not self.yaml_text.strip():
             return {}
         try:

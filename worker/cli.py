@@ -21,13 +21,22 @@ def worker(
     cores: Annotated[str | None, typer.Option(help="pin this worker and its engine processes to these cores, e.g. 0,1")] = None,
     heartbeat_s: Annotated[float, typer.Option(min=0.1, help="seconds between heartbeats")] = 2.0,
     slice_name: Annotated[str | None, typer.Option("--slice", help="the TPU slice (or group) this host belongs to")] = None,
+    reward_modules: Annotated[str, typer.Option(
+        "--reward-modules", envvar="LOCOJAX_REWARD_MODULES",
+        help="module prefixes custom rewards may be imported from (the API's list); engine processes check it")] = "",
+    ray_address: Annotated[str, typer.Option(
+        "--ray-address", envvar="LOCOJAX_RAY_ADDRESS",
+        help="an operator-run Ray cluster for DA runs; default: a private one per run on this host")] = "",
 ) -> None:
     """Run a host worker: registers this host, heartbeats, and starts engine host processes for the
     runs the scheduler places here."""
     import logging
+    import os
 
     from locojax.client import ApiClient
+    from locojax.rewards import split_prefixes
     from worker.app import run_worker
+    from worker.supervisor import engine_environment
 
     if not token:
         typer.echo("no token: pass --token or set LOCOJAX_TOKEN (locojax token create --scope worker)", err=True)
@@ -42,7 +51,8 @@ def worker(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with ApiClient(url, token, timeout=10.0) as api:
         run_worker(name, api, broker_url, address=address, devices=devices, cores=pinned, heartbeat_s=heartbeat_s,
-                   slice_name=slice_name, device_kind=device_kind)
+                   slice_name=slice_name, device_kind=device_kind, reward_modules=split_prefixes(reward_modules),
+                   ray_address=ray_address, engine_env=engine_environment(os.environ))
 
 
 def register(app: typer.Typer) -> None:

@@ -31,6 +31,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -58,6 +59,25 @@ class WorkerContext:
     cancel_grace_s: float = 8.0
     term_grace_s: float = 4.0
     report_deadline_s: float = 300.0  # how long a final report keeps being retried (API/database down)
+    reward_modules: tuple[str, ...] = ()  # the operator's reward module prefixes, passed to every engine process
+    ray_address: str = ""  # the operator's Ray cluster for DA runs; empty: a private one per run
+    engine_env: dict[str, str] = dataclasses.field(default_factory=dict)  # see engine_environment
+
+
+# What an engine process may see of its worker's environment: how to find programs and its home, the
+# JAX/XLA/accelerator runtime's own variables, and PYTHONPATH when the operator set one. Never the
+# worker's token, the broker or database URL, or any password (DESIGN §7: hosts hold no credential).
+ENGINE_ENV_NAMES = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+ENGINE_ENV_PREFIXES = ("JAX_", "XLA_", "TPU_", "LIBTPU_")
+
+
+def engine_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    """The explicit environment of an engine process, from its worker's (`parent`)."""
+    env = {name: value for name, value in parent.items()
+           if (name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)) and not name.startswith("LOCOJAX_")}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env["PYTHONUNBUFFERED"] = "1"  # output lines reach the relay as they are written
+    return env
 
 
 def now_utc() -> datetime:
@@ -245,7 +265,7 @@ class HostSupervisor:
         command = self.command(spec, spec_path, coordinator)
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            env=self.ctx.engine_env or engine_environment({}), start_new_session=True, preexec_fn=_die_with_parent,
         )
         self.report("RUNNING", pid=self.process.pid, started_at=now_utc().isoformat())
         log.info("run %s attempt %s: host process %s started (pid %s)", self.run_id, self.attempt, self.index,
@@ -273,6 +293,8 @@ class HostSupervisor:
 
     def command(self, spec: RunSpec, spec_path: Path, coordinator: str | None) -> list[str]:
         common = ["--quiet", "--cancel-file", str(self.cancel_file)] + (["--resume"] if self.resume else [])
+        if self.ctx.reward_modules:
+            common += ["--reward-modules", ",".join(self.ctx.reward_modules)]
         if self.role == "co":
             command = [sys.executable, "-m", "locojax.cli", "host", str(spec_path), "--process-id", str(self.index),
                        "--num-processes", str(self.num_processes),
@@ -280,7 +302,8 @@ class HostSupervisor:
             if coordinator:
                 command += ["--coordinator", coordinator]
             return command + common
-        return [sys.executable, "-m", "locojax.cli", "train", str(spec_path)] + common
+        ray = ["--ray-address", self.ctx.ray_address] if self.ctx.ray_address and spec.placement.mode == "da" else []
+        return [sys.executable, "-m", "locojax.cli", "train", str(spec_path)] + ray + common
 
     def supervise(self, spec: RunSpec) -> str:
         assert self.process is not None and self.process.stdout is not None

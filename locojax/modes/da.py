@@ -20,6 +20,7 @@ unless the spec names a cluster address; actors then land on hosts through the c
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -49,15 +50,19 @@ def _pin_and_configure(cores: Sequence[int] | None, devices: int) -> None:
 class RolloutHost:
     """One rollout host: samples, scores and normalises its shard of each step's prompts."""
 
-    def __init__(self, spec_json: dict, index: int, num_rollout_hosts: int, cores: Sequence[int] | None):
+    def __init__(self, spec_json: dict, index: int, num_rollout_hosts: int, cores: Sequence[int] | None,
+                 reward_modules: Sequence[str] = ()):
         _pin_and_configure(cores, spec_json["placement"]["devices_per_host"])
         import concurrent.futures
 
         import jax
 
         from locojax.modes.common import RolloutRunner, load_policy
+        from locojax.rewards import allow_reward_modules
         from locojax.tasks import make_task
 
+        # An actor is a process of its own: it scores under the allowlist its driver was started with.
+        allow_reward_modules(reward_modules)
         self.spec = RunSpec.model_validate(spec_json)
         self.index, self.hosts = index, num_rollout_hosts
         self.policy = load_policy(self.spec)
@@ -166,17 +171,26 @@ def split_hosts(spec: RunSpec) -> tuple[int, int]:
     return rollout_hosts, spec.placement.hosts - rollout_hosts
 
 
-def _start_ray(spec: RunSpec, total_cpus: int):
+def _private_ray_auth() -> None:
+    """Token auth for a private Ray: one random token per engine process, set before `import ray`
+    (Ray reads its auth mode when it is imported), inherited by the Ray processes this one starts."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+
+def _start_ray(total_cpus: int, ray_address: str | None):
+    """Join the operator's Ray cluster (`ray_address`, never a spec field: results from it are
+    unpickled), or start a private one for this run: bound to 127.0.0.1, with Ray's token auth on under
+    a fresh random token that only this process and the Ray processes it starts hold (in their
+    environment, not in a file under the home directory, where Ray 2.60 would otherwise write one)."""
     import ray
 
     if ray.is_initialized():
         return False
-    if spec.placement.ray_address:
-        ray.init(address=spec.placement.ray_address, log_to_driver=False)
+    if ray_address:
+        ray.init(address=ray_address, log_to_driver=False)
         return True
-    # Ray 2.60 turns token auth on by default and writes a token into the home directory (PITFALLS.md).
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=total_cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=total_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              resources={"locojax_rollout": 64, "locojax_train": 64}, configure_logging=False)
     return True
 
@@ -212,8 +226,15 @@ def run_da(
     console: bool = True,
     cancel_file: str | Path | None = None,
     extra_sinks: Sequence[m.MetricSink] = (),
+    ray_address: str | None = None,
 ) -> RunResult:
+    """`ray_address`: an operator's Ray cluster (the `--ray-address` of `locojax train`); default: a
+    private one on this host."""
+    if not ray_address:
+        _private_ray_auth()
     import ray
+
+    from locojax.rewards import allowed_reward_modules
 
     from locojax.launch import cores_for_host, free_port
 
@@ -222,8 +243,8 @@ def run_da(
     rollout_hosts, train_hosts = split_hosts(spec)
     hosts = spec.placement.hosts
     out = start_output(spec, 0)
-    started_ray = _start_ray(spec, total_cpus=max(hosts, os.cpu_count() or 1))
-    local = not spec.placement.ray_address
+    started_ray = _start_ray(max(hosts, os.cpu_count() or 1), ray_address)
+    local = not ray_address
     spec_json = spec.model_dump(mode="json")
     coordinator = f"127.0.0.1:{free_port()}" if train_hosts > 1 else None
 
@@ -238,7 +259,8 @@ def run_da(
     logger = None
     status, steps_done, combined = "succeeded", 0, {}
     try:
-        rollout = [rollout_cls.remote(spec_json, i, rollout_hosts, cores(i)) for i in range(rollout_hosts)]
+        rollout = [rollout_cls.remote(spec_json, i, rollout_hosts, cores(i), allowed_reward_modules())
+                   for i in range(rollout_hosts)]
         train = [train_cls.remote(spec_json, i, train_hosts, coordinator, cores(rollout_hosts + i), str(out), resume)
                  for i in range(train_hosts)]
         actors = rollout + train

@@ -7,6 +7,12 @@ Every reward is `fn(completion: str, example: Example) -> float`. Registered nam
   countdown       the `<answer>` equation uses given numbers at most once and hits the target
   format          the task's answer format is present
 
+A reward may also be a function named by import path, `package.module:function`, but only when the
+module is under a prefix the operator allowed (`LOCOJAX_REWARD_MODULES` on the API and on each worker,
+which starts its engine processes with `--reward-modules`): a submitter must not make every host import
+and call whatever it names (`builtins:exec`, `shutil:rmtree`). The API checks a spec against the list;
+an engine process checks again before it imports anything (`allow_reward_modules`, `resolve_reward`).
+
 A reward that raises (or returns NaN) scores 0 for that sample and is logged once per function:
 a scoring bug must not stop a long run, but it must not go unseen either.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
+import re
 import threading
 import traceback
 from math import isfinite  # not `import math`: the `math` submodule shadows it here
@@ -78,11 +85,63 @@ def _log_failure_once(name: str, failures: int, total: int, first_failure: str) 
               name, failures, total, first_failure)
 
 
+# `package.module:function`: identifiers only, so a name cannot smuggle a path or an expression.
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+# Module prefixes this process may import rewards from; empty until the operator's list is given.
+_allowed_prefixes: tuple[str, ...] = ()
+
+
+def split_prefixes(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Module prefixes from `a.b,c` (or `a.b:c`, as `Settings.as_environment` joins lists), or a list."""
+    if value is None:
+        return ()
+    parts = re.split(r"[,:\s]+", value) if isinstance(value, str) else [str(part).strip() for part in value]
+    return tuple(part for part in parts if part)
+
+
+def allow_reward_modules(prefixes: str | Sequence[str] | None) -> None:
+    """Set this process's allowed reward module prefixes (the operator's list, from the command line)."""
+    global _allowed_prefixes
+    _allowed_prefixes = split_prefixes(prefixes)
+
+
+def allowed_reward_modules() -> tuple[str, ...]:
+    return _allowed_prefixes
+
+
+def reward_name_error(name: str, prefixes: Sequence[str]) -> str | None:
+    """Why `name` may not be used as a reward under these module prefixes, or None when it may.
+
+    A registered name always may. An import path may when its module is a prefix or below one
+    (`tests.locojax` allows `tests.locojax.rewards_for_tests`, not `tests.locojaxx`)."""
+    if ":" not in name:
+        if name in REWARDS:
+            return None
+        return f"unknown reward {name!r}; known: {', '.join(REWARDS.names())}, or an allowed package.module:function"
+    if not IMPORT_PATH.match(name):
+        return f"reward {name!r} is not a package.module:function import path"
+    module_name = name.partition(":")[0]
+    if any(module_name == prefix or module_name.startswith(prefix + ".") for prefix in prefixes):
+        return None
+    allowed = ", ".join(prefixes) if prefixes else "none (LOCOJAX_REWARD_MODULES is empty)"
+    return f"reward module {module_name!r} is not allowed by the operator; allowed module prefixes: {allowed}"
+
+
+def check_reward_names(names: Sequence[str], prefixes: Sequence[str]) -> list[tuple[int, str]]:
+    """(index, reason) for each name in `names` that may not be used."""
+    return [(index, error) for index, name in enumerate(names)
+            if (error := reward_name_error(name, prefixes)) is not None]
+
+
 def resolve_reward(name: str) -> RewardFn:
-    """A registered reward, or a user function named `package.module:function` (importable on every
-    host), the way verl and TRL take custom reward functions."""
+    """A registered reward, or a function named `package.module:function` whose module this process
+    was allowed to import (`allow_reward_modules`); anything else is refused before any import."""
     if ":" not in name:
         return REWARDS.get(name)
+    error = reward_name_error(name, _allowed_prefixes)
+    if error is not None:
+        raise KeyError(error)
     module_name, _, attribute = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
@@ -135,5 +194,6 @@ def score(
     return total, per_fn
 
 
-__all__ = ["REWARDS", "RewardFn", "score", "gsm8k_strict", "gsm8k_flexible", "math_reward", "countdown",
+__all__ = ["REWARDS", "RewardFn", "score", "resolve_reward", "allow_reward_modules", "allowed_reward_modules",
+           "check_reward_names", "reward_name_error", "split_prefixes", "gsm8k_strict", "gsm8k_flexible", "math_reward", "countdown",
            "format_reward"]

@@ -4,6 +4,7 @@ alias per scope (`ReadToken`, `SubmitToken`, `WorkerToken`, `AdminToken`)."""
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -14,7 +15,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from server.db import Database, session_for
-from server.errors import AuthenticationError, InvalidInputError
+from server.errors import AuthenticationError, InvalidInputError, TooManyRequestsError
 from server.models import ApiToken
 from server.schemas import ErrorResponse
 from server.services import tokens
@@ -126,6 +127,18 @@ def json_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def _require_utf8(body: bytes) -> None:
+    """JSON bodies must be UTF-8 (RFC 8259 §8.1). `json.loads` on bytes would also take UTF-16 and UTF-32,
+    which no client of ours sends and which slip past byte-level checks such as the NUL rule below. A raw
+    NUL byte never occurs in UTF-8 JSON, and is what UTF-16/32 encodings of ASCII text are full of."""
+    if b"\x00" in body or body.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise InvalidInputError.for_field("body", "the body must be UTF-8 JSON (UTF-16 and UTF-32 are refused)")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError.for_field("body", f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
 async def reject_nul_characters(request: Request) -> None:
     """PostgreSQL cannot store NUL in text or JSONB; refuse it up front, the same on every backend.
 
@@ -137,6 +150,9 @@ async def reject_nul_characters(request: Request) -> None:
             raise InvalidInputError.for_field(name, "NUL characters are not allowed")
     if request.method in ("POST", "PUT", "PATCH"):
         body = await request.body()
+        content_type = request.headers.get("content-type", "")
+        if body and not content_type.startswith(("application/x-www-form-urlencoded", "multipart/")):
+            _require_utf8(body)
         if b"\\u0000" in body and _NUL_ESCAPE.search(body):
             raise InvalidInputError.for_field("body", "strings must not contain NUL (\\u0000) characters")
 
@@ -144,3 +160,34 @@ async def reject_nul_characters(request: Request) -> None:
 def source_name(token: ApiToken) -> str:
     """How events and transitions name who reported them."""
     return f"token:{token.name}"[:64]
+
+
+class StreamSlots:
+    """Open event streams (SSE) per token, at most `per_token` at once in this API process: a stream
+    holds a connection and polls the database until the run ends, so one token must not open
+    thousands. `acquire` raises 429; the stream's generator releases its slot when it ends."""
+
+    def __init__(self, per_token: int):
+        self.per_token = per_token
+        self._open: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, token_id: int) -> None:
+        with self._lock:
+            if self._open.get(token_id, 0) >= self.per_token:
+                raise TooManyRequestsError(
+                    f"this token already has {self.per_token} event streams open; close one first",
+                    code="TOO_MANY_STREAMS", headers={"Retry-After": "5"})
+            self._open[token_id] = self._open.get(token_id, 0) + 1
+
+    def release(self, token_id: int) -> None:
+        with self._lock:
+            left = self._open.get(token_id, 0) - 1
+            if left > 0:
+                self._open[token_id] = left
+            else:
+                self._open.pop(token_id, None)
+
+    def open_for(self, token_id: int) -> int:
+        with self._lock:
+            return self._open.get(token_id, 0)

@@ -51,12 +51,25 @@ def list_events(run_id: RunId, session: SessionDep, settings: SettingsDep, _: Re
                         next_after=rows[-1].id if rows else after)
 
 
-def _run_exists(run_id: RunId, session: SessionDep, _: ReadToken) -> int:
+def _run_exists(run_id: RunId, session: SessionDep, token: ReadToken) -> tuple[int, int]:
     # Checked as a dependency so a missing run is an ordinary 404, before the stream starts (and
     # after authentication, so nobody learns which runs exist without a token).
     run_service.get(session, run_id)
     session.commit()
-    return run_id
+    return run_id, token.id
+
+
+async def _stream_slot(request: Request, stream_of: Annotated[tuple[int, int], Depends(_run_exists)]
+                       ) -> AsyncIterator[int]:
+    """One of the token's stream slots, taken before the response starts (so the refusal is a 429) and
+    given back when the stream ends (FastAPI exits a yield dependency after the response is sent)."""
+    run_id, token_id = stream_of
+    slots = request.app.state.stream_slots
+    slots.acquire(token_id)
+    try:
+        yield run_id
+    finally:
+        slots.release(token_id)
 
 
 def _poll(db: Database, run_id: int, after: int, limit: int) -> tuple[RunStatus | None, list[EventPublic]]:
@@ -72,12 +85,13 @@ def _poll(db: Database, run_id: int, after: int, limit: int) -> tuple[RunStatus 
             responses={200: {"description": "`log` events (data: an event), `status` on each change, `end` last",
                              "content": {"text/event-stream": {"schema": {"type": "string"}}}},
                        **json_errors(401, 404, 422)})
-async def follow_events(request: Request, run_id: Annotated[int, Depends(_run_exists)], db: DbDep,
+async def follow_events(request: Request, run_id: Annotated[int, Depends(_stream_slot)], db: DbDep,
                         settings: SettingsDep, after: EventCursor = 0,
                         last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)] = None,
                         ) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events: the run's events after `after` (or `Last-Event-ID` on reconnect), then new ones
-    as they arrive, until the run is finished. Streams close after `sse_max_s`; EventSource reconnects."""
+    as they arrive, until the run is finished. Streams close after `sse_max_s`; EventSource reconnects.
+    A token holds at most `sse_streams_per_token` streams at once (429 past that)."""
     cursor = after
     if last_event_id and last_event_id.isdigit():
         cursor = max(cursor, min(int(last_event_id), MAX_EVENT_ID))

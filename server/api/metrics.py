@@ -31,7 +31,8 @@ def ingest_metrics(run_id: RunId, body: MetricsBatch, request: Request, session:
                    settings: SettingsDep, _: WorkerToken) -> IngestResult:
     """Upsert a batch of per-step values, idempotent on (run, step, host, key). Validated as a whole
     first: one bad value rejects the batch and writes nothing."""
-    written = metric_service.ingest(session, run_id, body, max_values=settings.metrics_batch_max_values)
+    written = metric_service.ingest(session, run_id, body, max_values=settings.metrics_batch_max_values,
+                                     max_keys=settings.metric_keys_per_run_max)
     request.app.state.prometheus.metric_values.inc(written)
     return IngestResult(run_id=run_id, values=written)
 

@@ -23,11 +23,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from psycopg.errors import UniqueViolation
-from sqlalchemy import func, select, text, tuple_
+from sqlalchemy import distinct, func, select, text, tuple_
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from server.errors import ApiError, NotFoundError
+from server.errors import ApiError, InvalidInputError, NotFoundError
 from server.models import ROLLUP_LEVELS, Run, StepMetric, StepMetricRollup, StepMetricSeries
 from server.schemas import MetricSeries, MetricsBatch
 
@@ -209,7 +209,25 @@ def _is_postgres(session: Session) -> bool:
 
 # --- ingest -----------------------------------------------------------------------------------------
 
-def ingest(session: Session, run_id: int, batch: MetricsBatch, *, max_values: int) -> int:
+def _check_key_count(session: Session, run_id: int, keys: set[str], max_keys: int) -> None:
+    """A run holds at most `max_keys` distinct metric keys: every history, summary and chart query walks
+    a run's series, so a reporter inventing keys must not grow them without bound. (Two batches racing
+    may each add keys under the limit and together pass it by a batch's worth; the bound still holds.)"""
+    known = set(session.scalars(select(StepMetricSeries.key).distinct()
+                                .where(StepMetricSeries.run_id == run_id, StepMetricSeries.key.in_(keys))))
+    new = keys - known
+    if not new:
+        return
+    have = session.scalar(select(func.count(distinct(StepMetricSeries.key))).where(StepMetricSeries.run_id == run_id))
+    if have + len(new) > max_keys:
+        raise InvalidInputError(
+            f"rows.values: run {run_id} has {have} metric keys and this batch adds {len(new)}; at most {max_keys} "
+            "distinct keys are kept per run", code="TOO_MANY_METRIC_KEYS",
+            details=[{"field": "rows.values", "message": f"at most {max_keys} distinct keys per run",
+                      "have": have, "new": len(new)}])
+
+
+def ingest(session: Session, run_id: int, batch: MetricsBatch, *, max_values: int, max_keys: int = 1_000) -> int:
     """Upsert a validated batch; returns the number of distinct (key, host, step) values written."""
     total = sum(len(row.values) for row in batch.rows)
     if total > max_values:
@@ -224,6 +242,7 @@ def ingest(session: Session, run_id: int, batch: MetricsBatch, *, max_values: in
         for key, value in row.values.items():
             merged[(key, row.host, row.step)] = value
             posted[(key, row.host)] += 1
+    _check_key_count(session, run_id, {key for key, _, _ in merged}, max_keys)
 
     if _is_postgres(session):
         _ingest_postgres(session, run_id, merged, posted)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-import re
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
@@ -174,27 +173,21 @@ def check_paths(spec: RunSpec, settings: Settings) -> None:
                                 details=errors)
 
 
-# A custom reward is `package.module:function`, imported on the hosts (locojax.rewards.resolve_reward).
-_REWARD_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-
-
-def check_names(spec: RunSpec) -> None:
+def check_names(spec: RunSpec, settings: Settings) -> None:
     """Task and reward names the hosts look up in their registries: a typo is a 422 now, not a run that
-    fails on its hosts after its start-up."""
-    from locojax.rewards import REWARDS
+    fails on its hosts after its start-up. A `package.module:function` reward must be under one of the
+    operator's module prefixes (`Settings.reward_modules`); the hosts check the same list again."""
+    from locojax.rewards import check_reward_names
     from locojax.tasks import TASKS
 
     errors = []
     if spec.task.name not in TASKS:
         errors.append({"field": "spec.task.name",
                        "message": f"unknown task {spec.task.name!r}; known: {', '.join(TASKS.names())}"})
-    named = [(f"spec.task.reward.{index}", name) for index, name in enumerate(spec.task.reward or [])]
-    named += [(f"spec.eval.reward.{index}", name) for index, name in enumerate(spec.eval.reward or [] if spec.eval else [])]
-    for field, name in named:
-        if name not in REWARDS and not _REWARD_IMPORT_PATH.match(name):
-            errors.append({"field": field,
-                           "message": f"unknown reward {name!r}; known: {', '.join(REWARDS.names())}, "
-                                      "or package.module:function"})
+    for index, message in check_reward_names(spec.task.reward or [], settings.reward_modules):
+        errors.append({"field": f"spec.task.reward.{index}", "message": message})
+    for index, message in check_reward_names(spec.eval.reward or [] if spec.eval else [], settings.reward_modules):
+        errors.append({"field": f"spec.eval.reward.{index}", "message": message})
     if errors:
         raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="UNKNOWN_NAME", details=errors)
 
@@ -226,7 +219,7 @@ def create(session: Session, spec: RunSpec, settings: Settings, *, idempotency_k
         if existing is not None:
             return _replay(existing, digest), False
     check_paths(spec, settings)
-    check_names(spec)
+    check_names(spec, settings)
     check_data(spec)
     decision_id = spec.placement.decision_id
     if decision_id is not None and session.get(PlacementDecision, decision_id) is None:

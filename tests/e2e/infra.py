@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -151,12 +152,16 @@ class PrivateRedis:
         self.kill()
 
 
+DASHBOARD_SECRET = "e2e-" + secrets.token_hex(16)
+
+
 def engine_environment(work: Path) -> dict[str, str]:
     """What the workers pass on to their engine processes: one persistent JAX compilation cache for the
     session, so every run and restart after the first skips compiling the tiny model again (seconds
     each on a shared machine). The control plane under test is the same with or without it."""
     return {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            # so that engine processes can import the test reward functions (tests.locojax.rewards_for_tests)
+            # so that engine processes can import the test reward functions (tests.locojax.rewards_for_tests,
+            # allowed by the stack's reward_modules) and this checkout's code
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))}
 
 
@@ -187,6 +192,10 @@ class Stack:
                 runs_root=work / "runs", data_roots=[work / "data"], scheduler_interval_s=0.3, host_stale_s=4.0,
                 host_lost_s=10.0, start_timeout_s=120.0, kill_timeout_s=20.0, dispatch_resend_s=5.0,
                 log_level="info", max_body_bytes=1024 * 1024, metrics_batch_max_values=5_000,
+                # The operator allows the test rewards' module (tests/e2e/faults.py holds steps with one).
+                reward_modules=["tests.locojax.rewards_for_tests"],
+                # As an operator would set them (tests/e2e/attacks.py tries the dashboard with both).
+                dashboard_secret=DASHBOARD_SECRET, trusted_hosts=["127.0.0.1", "localhost"],
             )
             values.update(overrides)
             port = free_port()

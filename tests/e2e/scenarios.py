@@ -2,7 +2,7 @@
 bench/reliability.py call the same functions, so the tests assert exactly what the bench reports.
 
 Groups: `bad_input` (counted in bad_inputs_rejected), `security`, `fault` (counted in faults_survived),
-`load` (load_errors). Each scenario takes the `Stack` (and, for load, its size) and returns the dict
+`load` (load_errors), `attack` (attacks_tried, attacks_blocked). Each scenario takes the `Stack` (and, for load, its size) and returns the dict
 described in tests/e2e/outcome.py.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tests.e2e.attacks import attacks
 from tests.e2e.bad_input import bad_metric_batches, bad_run_specs, stateful_fuzz
 from tests.e2e.faults import FAULTS
 from tests.e2e.infra import Stack
@@ -26,6 +27,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     **{name: ("security", scenario) for name, scenario in SECURITY.items() if name != "secrets_stay_secret"},
     **{name: ("fault", scenario) for name, scenario in FAULTS.items()},
     "load": ("load", load),
+    "attacks": ("attack", attacks),
     # Last: by then every other scenario has written to the logs it searches.
     "secrets_stay_secret": ("security", SECURITY["secrets_stay_secret"]),
 }

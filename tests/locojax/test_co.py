@@ -22,6 +22,8 @@ from tests.locojax.rewards_for_tests import SLEEP_PER_BATCH_S
 from locojax.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
+# The operator's allowlist these tests run under: the test rewards' module, nothing else.
+TEST_REWARD_MODULES = "tests.locojax.rewards_for_tests"
 DENSE_REWARD = "tests.locojax.rewards_for_tests:digit_fraction"
 SLEEPY_REWARD = "tests.locojax.rewards_for_tests:sleep_50ms_per_batch"
 
@@ -50,9 +52,14 @@ def write_spec(tmp_path: Path, spec: dict) -> Path:
     return path
 
 
+def engine_command(*args: str) -> list[str]:
+    """`locojax ARGS`, allowed the test rewards when it runs a spec."""
+    allow = ["--reward-modules", TEST_REWARD_MODULES] if args and args[0] in ("train", "host", "launch", "eval") else []
+    return [sys.executable, "-m", "locojax.cli", *args, *allow]
+
+
 def locojax(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "locojax.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, **kwargs)
+    return subprocess.run(engine_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=300, **kwargs)
 
 
 def checkpoint_params(run_dir: Path, step: int):
@@ -95,7 +102,7 @@ def test_resume_after_kill_equals_straight_run(tmp_path):
     done = locojax("train", str(straight), "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
 
-    process = subprocess.Popen([sys.executable, "-m", "locojax.cli", "train", str(killed), "--quiet"], cwd=ROOT,
+    process = subprocess.Popen(engine_command("train", str(killed), "--quiet"), cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "killed" / "checkpoints" / "3" / "commit_success.txt"
     deadline = time.monotonic() + 240
@@ -119,6 +126,7 @@ def test_resume_after_kill_equals_straight_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("test_rewards_allowed")
 def test_reward_sleep_shows_up_as_host_time(tmp_path):
     from locojax.modes.co import run_co
 

@@ -18,6 +18,8 @@ from locojax.tasks import batch_indices, host_slice, load_task_data, make_task
 from tests.locojax.test_co import locojax, tiny_spec, write_spec
 
 EVEN_LENGTH = "tests.locojax.rewards_for_tests:even_length"
+# The eval rewards here are the test rewards, which this process may import as an operator allows.
+pytestmark = pytest.mark.usefixtures("test_rewards_allowed")
 
 
 def eval_spec(tmp_path: Path, name: str, block: dict, **overrides) -> dict:

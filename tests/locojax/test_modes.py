@@ -13,7 +13,11 @@ import pytest
 
 from locojax import metrics as m
 from tests.conftest import session_processes
-from tests.locojax.test_co import ROOT, assert_trees_close, checkpoint_params, locojax, tiny_spec, write_spec
+from tests.locojax.test_co import (ROOT, assert_trees_close, checkpoint_params, engine_command, locojax, tiny_spec,
+                                   write_spec)
+
+# The in-process runs score the test rewards too.
+pytestmark = pytest.mark.usefixtures("test_rewards_allowed")
 
 
 def _processes(pattern: str) -> list[int]:
@@ -55,7 +59,7 @@ def test_da_samples_batch_t_plus_1_with_exactly_theta_t(tmp_path):
 
 
 def _start(args, tmp_path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "locojax.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen(engine_command(*args), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

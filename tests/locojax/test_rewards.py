@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from locojax.rewards import REWARDS, score
+from locojax.rewards import REWARDS, allow_reward_modules, check_reward_names, resolve_reward, score
 from locojax.rewards.countdown import EquationError, evaluate
 from locojax.rewards.math import normalise
 from locojax.tasks import ANSWER_TAG_FORMAT, BOXED_FORMAT, GSM8K_FORMAT, Example
@@ -283,3 +283,39 @@ def test_score_rejects_unknown_names_and_mismatched_lengths():
 def test_score_with_no_rewards_is_zero():
     total, per_fn = score([], ["x"], [gsm8k_example("1")])
     assert per_fn == {} and total.tolist() == [0.0]
+
+
+# The operator's allowlist for `package.module:function` rewards
+
+
+@pytest.mark.parametrize("name", ["builtins:print", "shutil:rmtree", "pty:spawn", "os:system",
+                                  "tests.locojax.rewards_for_tests:digit_fraction"])
+def test_import_path_rewards_are_refused_without_an_allowlist(name):
+    allow_reward_modules(())
+    with pytest.raises(KeyError, match="not allowed by the operator"):
+        resolve_reward(name)
+    with pytest.raises(KeyError, match="not allowed by the operator"):
+        score([name], ["x"], [gsm8k_example("1")])
+
+
+def test_an_allowed_module_prefix_admits_its_modules_only(monkeypatch):
+    import sys
+
+    allow_reward_modules("tests.locojax")
+    try:
+        fn = resolve_reward("tests.locojax.rewards_for_tests:digit_fraction")
+        assert fn("a1", gsm8k_example("1")) == 0.5
+        # A prefix is a package boundary: `tests.locojax` does not admit `tests.locojaxx`.
+        monkeypatch.delitem(sys.modules, "shutil", raising=False)
+        for name in ("tests.locojaxx.evil:f", "tests:f", "shutil:rmtree"):
+            with pytest.raises(KeyError, match="not allowed"):
+                resolve_reward(name)
+        assert "shutil" not in sys.modules  # refused before anything was imported
+    finally:
+        allow_reward_modules(())
+
+
+def test_check_reward_names_reports_each_refused_index():
+    refused = check_reward_names(["gsm8k", "builtins:exec", "no_such", "a.b:c", "../x:y"], ["a"])
+    assert [index for index, _ in refused] == [1, 2, 4]
+    assert "not allowed" in refused[0][1] and "unknown reward" in refused[1][1] and "import path" in refused[2][1]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import httpx
 import pytest
 import typer
 import uvicorn
@@ -144,3 +145,41 @@ def test_client_errors_and_exit_codes(live_server, tmp_path):
     with ApiClient(url, "lcj_wrong") as client, pytest.raises(ApiClientError) as raised:
         client.get_run(1)
     assert (raised.value.status, raised.value.code) == (401, "AUTH_INVALID")
+
+
+def test_serve_writes_the_bootstrap_token_to_an_owner_only_file_never_to_its_log(tmp_path):
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    home, port = tmp_path / "home", _free_port()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LOCOJAX_")}
+    env.update(LOCOJAX_HOME=str(home), LOCOJAX_BROKER_URL="memory://", LOCOJAX_SCHEDULER_ENABLED="false",
+               LOCOJAX_DATA_ROOTS=str(tmp_path), LOCOJAX_RUNS_ROOT=str(tmp_path / "runs"))
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "locojax.cli", "serve", "--port", str(port)], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        token_file = home / "bootstrap-admin-token"
+        secret = token_file.read_text().strip()
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        output = log_path.read_text()
+        assert secret not in output and str(token_file) in output
+        response = httpx.get(f"{url}/api/v1/tokens", headers={"Authorization": f"Bearer {secret}"}, timeout=5)
+        assert response.status_code == 200  # the file holds a working admin token
+    finally:
+        process.terminate()
+        process.wait(timeout=20)

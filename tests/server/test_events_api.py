@@ -113,3 +113,58 @@ def test_sse_closes_after_its_maximum_duration(client, db, submitter):
 
 def test_sse_of_unknown_run_is_404(client, submitter):
     assert_error(client.get("/api/v1/runs/4242/events/stream", headers=submitter), 404, "RUN_NOT_FOUND")
+
+
+
+def test_event_streams_per_token_are_capped_and_slots_come_back(tmp_path):
+    # A real server: the TestClient buffers whole responses, so two streams are never open at once there.
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from server.app import create_app
+    from server.db import upgrade_to_head
+    from server.services import tokens as token_service
+    from tests.server.conftest import make_settings
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade_to_head(url)
+    app = create_app(make_settings(tmp_path, url, sse_streams_per_token=2, sse_max_s=60.0), plugins=False)
+    with app.state.db.write_session() as session:
+        secrets = {scope: token_service.create(session, name=scope, scopes=[scope])[1] for scope in ("submit", "worker")}
+    run_id = insert_run(app.state.db, RunStatus.RUNNING)  # never ends: streams stay open
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stream_url = f"http://127.0.0.1:{port}/api/v1/runs/{run_id}/events/stream"
+    submitter = {"Authorization": f"Bearer {secrets['submit']}"}
+    try:
+        with httpx.Client(timeout=10) as client:
+            with client.stream("GET", stream_url, headers=submitter) as one, \
+                    client.stream("GET", stream_url, headers=submitter) as two:
+                assert (one.status_code, two.status_code) == (200, 200)
+                refused = client.get(stream_url, headers=submitter)
+                assert refused.status_code == 429 and refused.json()["error"]["code"] == "TOO_MANY_STREAMS"
+                assert refused.headers["retry-after"]
+                other = {"Authorization": f"Bearer {secrets['worker']}"}
+                with client.stream("GET", stream_url, headers=other) as third:
+                    assert third.status_code == 200  # the cap is per token
+            # Closed streams give their slots back.
+            deadline = time.monotonic() + 10
+            while app.state.stream_slots._open:
+                assert time.monotonic() < deadline, app.state.stream_slots._open
+                time.sleep(0.1)
+            with client.stream("GET", stream_url, headers=submitter) as again:
+                assert again.status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        app.state.db.dispose()

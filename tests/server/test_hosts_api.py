@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -73,3 +74,13 @@ def test_remove_only_unreserved_hosts(client, db, worker, submitter):
     # the run finishing releases the reservation
     client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "FAILED"}, headers=worker)
     assert client.get("/api/v1/hosts/busy", headers=submitter).json()["reserved_by_run_id"] is None
+
+
+def test_host_info_is_bounded_to_16_kib(client, db, worker):
+    big = {"notes": "x" * (16 * 1024)}
+    error = assert_error(client.post("/api/v1/hosts", json={"name": "host-big", "info": big}, headers=worker),
+                         422, "VALIDATION_ERROR")
+    assert "16384" in json.dumps(error)
+    assert client.post("/api/v1/hosts", json={"name": "host-big", "info": {"notes": "x" * 8000}},
+                       headers=worker).status_code in (200, 201)
+    assert_error(client.post("/api/v1/hosts/host-big/heartbeat", json={"info": big}, headers=worker), 422)

@@ -300,3 +300,17 @@ def test_random_retries_corrections_and_late_rows_keep_every_query_exact(client,
     for key in ("a", "b"):
         last = max(truth[(key, 0)])
         assert summary["values"][key] == {"step": last, "value": truth[(key, 0)][last]}
+
+
+def test_a_run_holds_at_most_a_thousand_distinct_metric_keys(client, db, worker):
+    run_id = insert_run(db, RunStatus.RUNNING)
+    first = {f"k/{i}": 1.0 for i in range(600)}
+    assert _post(client, worker, run_id, [{"step": 0, "values": first}]).status_code == 200
+    # Known keys at later steps are always fine; new keys only up to the limit.
+    assert _post(client, worker, run_id, [{"step": 1, "values": first}]).status_code == 200
+    more = {f"k/{i}": 1.0 for i in range(600, 1001)}  # 1,001 in all
+    error = assert_error(_post(client, worker, run_id, [{"step": 2, "values": more}]), 422, "TOO_MANY_METRIC_KEYS")
+    assert error["details"][0]["have"] == 600 and error["details"][0]["new"] == 401
+    assert len({row[0] for row in _rows(db)}) == 600  # nothing of the refused batch was written
+    fits = {f"k/{i}": 1.0 for i in range(600, 1000)}
+    assert _post(client, worker, run_id, [{"step": 2, "values": fits}]).status_code == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import concurrent.futures
 from pathlib import Path
 
@@ -153,9 +154,28 @@ def test_an_eval_block_outside_co_grpo_is_422_naming_it(client, db, submitter):
     assert _run_count(db) == 0
 
 
-def test_registered_and_importable_reward_names_are_accepted(client, submitter):
-    spec = {"name": "names", "task": {"name": "countdown", "reward": ["countdown", "my_rewards.module:score"]}}
-    assert client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).status_code == 201
+@pytest.mark.parametrize("reward", ["builtins:print", "shutil:rmtree", "pty:spawn", "my_rewards.module:score"])
+def test_import_path_rewards_outside_the_allowlist_are_422(client, db, submitter, reward):
+    spec = {"name": "names", "task": {"name": "countdown", "reward": ["countdown", reward]}}
+    error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "UNKNOWN_NAME")
+    assert [item["field"] for item in error["details"]] == ["spec.task.reward.1"]
+    assert "not allowed by the operator" in error["details"][0]["message"]
+    assert _run_count(db) == 0
+
+
+def test_registered_and_allowed_reward_names_are_accepted(backend, submitter):
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+
+    # The same database, served under an operator's allowlist.
+    settings = backend.settings.model_copy(update={"reward_modules": ["my_rewards", "tests.locojax"]})
+    with TestClient(create_app(settings, plugins=False)) as client:
+        spec = {"name": "names", "task": {"name": "countdown", "reward": ["countdown", "my_rewards.module:score"]}}
+        assert client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).status_code == 201
+        spec["task"]["reward"] = ["my_rewardsx.module:score"]
+        error = assert_error(client.post("/api/v1/runs", json={"spec": spec}, headers=submitter), 422, "UNKNOWN_NAME")
+        assert error["details"][0]["field"] == "spec.task.reward.0"
 
 
 def test_unknown_decision_is_422(client, db, submitter):
@@ -418,3 +438,33 @@ def test_oversize_and_deeply_nested_bodies_are_refused_in_the_error_shape(backen
         assert _run_count(backend.db) == 0
     finally:
         small.state.db.dispose()
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"rollout": {"max_new_tokens": 32_769}}, "spec.rollout.max_new_tokens"),
+    ({"rollout": {"max_prompt_tokens": 32_769}}, "spec.rollout.max_prompt_tokens"),
+    ({"checkpoint": {"keep": 101}}, "spec.checkpoint.keep"),
+    ({"max_restarts": 11}, "spec.max_restarts"),
+    ({"placement": {"mode": "da", "hosts": 2, "ray_address": "attacker.example:6379"}}, "spec.placement.ray_address"),
+])
+def test_limits_a_real_run_would_never_pass_are_422_naming_the_field(client, db, submitter, override, field):
+    error = assert_error(client.post("/api/v1/runs", json={"spec": {"name": "limits", **override}},
+                                     headers=submitter), 422)
+    assert [item["field"] for item in error["details"]] == [field]
+    assert _run_count(db) == 0
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_json_bodies_that_are_not_utf8_are_refused(client, db, submitter, encoding):
+    body = json.dumps({"spec": {"name": "wide"}}).encode(encoding)
+    response = client.post("/api/v1/runs", content=body, headers={**submitter, "Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500
+    assert response.json()["error"]["details"][0]["field"] == "body"
+    assert _run_count(db) == 0
+
+
+def test_invalid_utf8_bytes_in_a_json_body_are_refused(client, db, submitter):
+    response = client.post("/api/v1/runs", content=b'{"spec": {"name": "\xff\xfe"}}',
+                           headers={**submitter, "Content-Type": "application/json"})
+    assert_error(response, 422, "VALIDATION_ERROR")
+    assert _run_count(db) == 0

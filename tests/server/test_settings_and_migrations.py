@@ -39,6 +39,31 @@ def test_environment_overrides(monkeypatch):
     assert settings.page_size_max == 500 and settings.broker_url == "redis://redis:6379/0"
 
 
+def test_as_environment_passes_real_secrets_and_round_trips(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("LOCOJAX_"):
+            monkeypatch.delenv(name)
+    settings = Settings(home=tmp_path, dashboard_secret="not-a-public-constant",
+                        reward_modules=["mycompany.rewards", "tests.locojax"], data_roots=[tmp_path, Path("/data")])
+    env = settings.as_environment(LOCOJAX_URL="http://127.0.0.1:1")
+    assert env["LOCOJAX_DASHBOARD_SECRET"] == "not-a-public-constant"
+    # What a child process (`locojax up` starts the API this way) reads back is the same configuration.
+    for name, value in env.items():
+        if name.startswith("LOCOJAX_"):
+            monkeypatch.setenv(name, value)
+    child = Settings()
+    assert child.dashboard_secret is not None and child.dashboard_secret.get_secret_value() == "not-a-public-constant"
+    assert child.reward_modules == ["mycompany.rewards", "tests.locojax"]
+    assert child.data_roots == [tmp_path, Path("/data")]
+
+
+def test_reward_modules_come_from_a_comma_separated_variable(monkeypatch):
+    monkeypatch.setenv("LOCOJAX_REWARD_MODULES", "mycompany.rewards, tests.locojax")
+    assert Settings().reward_modules == ["mycompany.rewards", "tests.locojax"]
+    monkeypatch.delenv("LOCOJAX_REWARD_MODULES")
+    assert Settings().reward_modules == []
+
+
 def test_inconsistent_settings_are_refused():
     with pytest.raises(ValueError, match="host_lost_s"):
         Settings(host_stale_s=30, host_lost_s=10)

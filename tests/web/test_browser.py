@@ -46,6 +46,10 @@ def page(browser, live_server: LiveServer):
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    # The dashboard's own Content-Security-Policy is enforced here (no bypass): a script or style it
+    # blocks shows up as a console error, and fails the test.
+    page.on("console", lambda message: errors.append(message.text)
+            if message.type == "error" and "Content Security Policy" in message.text else None)
     page.on("dialog", lambda dialog: dialog.accept())  # the cancel button asks first
     # Logging in is part of every visit: the unauthenticated page sends the browser to /login.
     page.goto(live_server.url + "/runs")
@@ -105,7 +109,7 @@ def test_run_page_follows_a_run_to_succeeded_without_a_reload(page, live_server:
     page.goto(f"{live_server.url}/runs/{run_id}")
     page.evaluate("window.__no_reload = true")
     expect(page.locator("#run-status")).to_have_text("RUNNING")
-    page.wait_for_function("document.querySelector('figure[data-chart=reward]').dataset.drawnPoints === '10'")
+    expect(page.locator("figure[data-chart=reward]")).to_have_attribute("data-drawn-points", "10")
     assert page.locator("figure[data-chart=reward] canvas").count() >= 1
     assert _drawn_points(page, "split") == 10  # the stacked device/host/network chart
     expect(page.locator("#run-hosts")).to_contain_text("browser-host")
@@ -114,7 +118,7 @@ def test_run_page_follows_a_run_to_succeeded_without_a_reload(page, live_server:
     # the server downsamples to 2 steps per point, and each line gains its min/max band.
     _metrics(live_server, run_id, range(10, 400))
     _event(live_server, run_id, "step 399 done: reward 9.975")
-    page.wait_for_function("document.querySelector('figure[data-chart=reward]').dataset.drawnPoints === '200'")
+    expect(page.locator("figure[data-chart=reward]")).to_have_attribute("data-drawn-points", "200")
     assert page.locator("figure[data-chart=reward] .u-legend .u-series").count() == 4  # step, value, min, max
     expect(page.locator("#run-events")).to_contain_text("step 399 done: reward 9.975")
     expect(page.locator("#run-latest")).to_contain_text("9.975")
@@ -128,7 +132,7 @@ def test_run_page_follows_a_run_to_succeeded_without_a_reload(page, live_server:
     assert page.get_attribute("#run-header", "hx-trigger") is None
     page.reload()
     expect(page.locator("#measured-step")).to_have_text("500 ms")
-    page.wait_for_function("document.querySelector('figure[data-chart=reward]').dataset.drawnPoints === '200'")
+    expect(page.locator("figure[data-chart=reward]")).to_have_attribute("data-drawn-points", "200")
     page.screenshot(path=str(ARTIFACTS / "run-page.png"), full_page=True)
 
 
@@ -230,7 +234,7 @@ def test_compare_overlays_runs(page, live_server: LiveServer):
         _transition(live_server, run_id, "RUNNING")
         _metrics(live_server, run_id, steps)
     page.goto(f"{live_server.url}/compare?run={first}&run={second}&key=reward/mean")
-    page.wait_for_function("document.querySelector('figure[data-chart=compare]').dataset.drawnPoints === '12'")
+    expect(page.locator("figure[data-chart=compare]")).to_have_attribute("data-drawn-points", "12")
     legend = page.locator("figure[data-chart=compare] .u-legend")
     expect(legend).to_contain_text("browser-cmp-a")
     expect(legend).to_contain_text("browser-cmp-b")

@@ -206,6 +206,7 @@ def test_the_form_shows_the_spec_defaults_and_takes_query_prefills(submitter: Br
     ({"spec_yaml": "- a list"}, "spec_yaml", "expected a mapping"),
     ({"spec_yaml": "rollout:\n  group_size: 0"}, "spec_yaml", "rollout.group_size"),
     ({"spec_yaml": "optim:\n  lr_typo: 1"}, "spec_yaml", "optim.lr_typo"),
+    ({"spec_yaml": "# " + "x" * 65_536}, "spec_yaml", "at most 64 KiB"),
     ({"prompts_per_step": "3", "hosts": "2"}, "form", "divisible"),
 ])
 def test_invalid_values_are_shown_next_to_their_field_and_nothing_is_written(submitter: Browsing, fields, where,

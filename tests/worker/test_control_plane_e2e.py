@@ -39,6 +39,7 @@ def plane(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         home=tmp / "home", database_url=postgres_url, broker_url=REDIS_URL, migrate_on_start=False,
         runs_root=tmp / "runs", data_roots=[tmp], scheduler_interval_s=0.3, host_stale_s=4.0, host_lost_s=10.0,
         start_timeout_s=120.0, kill_timeout_s=20.0, log_level="warning",
+        reward_modules=["tests.locojax.rewards_for_tests"],
     )
     control_plane = start(settings, hosts=3, port=free_port())
     yield control_plane
@@ -98,6 +99,32 @@ def test_cancel_mid_run_ends_cancelled_quickly_with_no_process_left(api: ApiClie
     assert final["status"] == "CANCELLED" and took < 15, (final["status"], took)
     wait_until(lambda: not any(alive(pid) for pid in pids), 5, "the host processes to be gone")
     assert final["last_checkpoint_step"] is not None and final["last_checkpoint_step"] >= 2
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def test_engine_processes_get_a_minimal_environment_and_the_operators_reward_allowlist(api: ApiClient):
+    # A reward by import path that the operator allowed (Settings.reward_modules, which the workers see
+    # as LOCOJAX_REWARD_MODULES) runs on the hosts; the engine processes see no control-plane secret.
+    spec = tiny_spec("e2e-env", hosts=2, steps=400)
+    spec["task"]["reward"] = ["gsm8k", "tests.locojax.rewards_for_tests:sleep_100ms_per_tiny_step"]
+    run = api.submit(spec)
+    wait_until(lambda: last_step(api, run["id"]) >= 1, 240, "a step with the allowed custom reward")
+    pids = host_pids(api, run["id"])
+    assert len(pids) == 2
+    for pid in pids:
+        env = _environ(pid)
+        assert not [name for name in env if name.startswith("LOCOJAX_")], sorted(env)
+        assert not [name for name in env if "PASSWORD" in name or "TOKEN" in name or "SECRET" in name], sorted(env)
+        assert "PATH" in env and "HOME" in env
+        assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # the operator's, passed through
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert command[command.index(b"--reward-modules") + 1] == b"tests.locojax.rewards_for_tests"
+    api.cancel_run(run["id"])
+    assert wait_final(api, run["id"], timeout_s=60)["status"] == "CANCELLED"
 
 
 def test_kill_9_of_a_host_process_recovers_from_the_checkpoint(api: ApiClient):

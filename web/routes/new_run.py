@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import Request
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 from starlette.responses import RedirectResponse, Response
 
 from server.api.deps import SessionDep, SettingsDep
@@ -12,8 +14,9 @@ from server.errors import InvalidInputError
 from server.schemas import PlacementRecommendRequest
 from server.services import placement as placement_service
 from server.services import runs as run_service
+from server.settings import Settings
 from web import forms
-from web.auth import SubmitterDep, ViewerDep
+from web.auth import SubmitterDep, Viewer, ViewerDep
 from web.routing import dashboard_router
 from web.templating import is_htmx, render
 
@@ -34,6 +37,11 @@ def new_run_form(request: Request, _: ViewerDep) -> Response:
 @router.post("/runs/new")
 async def submit_run(request: Request, session: SessionDep, settings: SettingsDep, viewer: SubmitterDep) -> Response:
     form = forms.RunForm.from_mapping(await request.form())
+    # YAML parsing and the database work run in a worker thread, never on the event loop.
+    return await anyio.to_thread.run_sync(_submit, request, form, session, settings, viewer)
+
+
+def _submit(request: Request, form: forms.RunForm, session: Session, settings: Settings, viewer: Viewer) -> Response:
     spec = form.spec()
     if spec is None:
         return _show(request, form, 422)
@@ -53,6 +61,10 @@ async def submit_run(request: Request, session: SessionDep, settings: SettingsDe
 async def recommend_for_form(request: Request, session: SessionDep, viewer: SubmitterDep) -> Response:
     """Store a placement decision for the form's model, workload and chips; fill in its choice."""
     form = forms.RunForm.from_mapping(await request.form())
+    return await anyio.to_thread.run_sync(_recommend, request, form, session, viewer)
+
+
+def _recommend(request: Request, form: forms.RunForm, session: Session, viewer: Viewer) -> Response:
     try:
         body = PlacementRecommendRequest.model_validate(form.recommend_request())
         decision = placement_service.recommend(session, body, created_by=viewer.name)

@@ -13,8 +13,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
+import anyio
 from fastapi import Query, Request
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 from starlette.responses import RedirectResponse, Response
 
 from server.api.deps import SessionDep
@@ -23,7 +25,7 @@ from server.models import PlacementDecision
 from server.schemas import PlacementRecommendRequest
 from server.services import placement as placement_service
 from web import forms
-from web.auth import SubmitterDep, ViewerDep
+from web.auth import SubmitterDep, Viewer, ViewerDep
 from web.routing import dashboard_router
 from web.templating import is_htmx, render
 
@@ -72,6 +74,10 @@ def explorer(request: Request, session: SessionDep, _: ViewerDep,
 async def explore(request: Request, session: SessionDep, viewer: SubmitterDep) -> Response:
     form = await request.form()
     values = {name: str(form.get(name, "")).strip() for name in REQUEST_FIELDS}
+    return await anyio.to_thread.run_sync(_explore, request, values, session, viewer)
+
+
+def _explore(request: Request, values: dict[str, str], session: Session, viewer: Viewer) -> Response:
     errors: dict[str, list[str]] = {}
     try:
         body = PlacementRecommendRequest.model_validate({name: value for name, value in values.items() if value})

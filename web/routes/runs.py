@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 import anyio
-from fastapi import Header, Query, Request
+from fastapi import Depends, Header, Query, Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
@@ -116,8 +116,19 @@ def _poll_events(db: Database, run_id: RunId, after: int, limit: int) -> tuple[R
         return status, rows
 
 
+async def _stream_slot(request: Request, viewer: ViewerDep) -> AsyncIterator[None]:
+    """The dashboard's streams count against the same per-token cap as the API's (server.api.deps.StreamSlots)."""
+    slots = request.app.state.stream_slots
+    slots.acquire(viewer.token_id)
+    try:
+        yield
+    finally:
+        slots.release(viewer.token_id)
+
+
 @router.get("/runs/{run_id:int}/events/stream", response_class=EventSourceResponse)
-async def run_events_stream(request: Request, run_id: RunId, db: DbDep, settings: SettingsDep, _: ViewerDep,
+async def run_events_stream(request: Request, run_id: RunId, db: DbDep, settings: SettingsDep,
+                            _: Annotated[None, Depends(_stream_slot)],
                             after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID)] = 0,
                             last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)] = None,
                             ) -> AsyncIterator[ServerSentEvent]:
