@@ -33,7 +33,7 @@ demo: install
 	$(VENV)/bin/locojax up --hosts 1 --demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not multiprocess"

@@ -1,18 +1,26 @@
-"""Coordination benchmark: CO vs SC vs DA on this machine's cores (2 here), same model and global batch.
+"""Coordination benchmark: CO vs SC vs DA at 1, 2 and 4 host processes, same model and global batch.
 
-    CO  2 hosts x 1 core   (two `locojax host` processes, jax.distributed over gloo)
-    SC  1 controller owning 2 devices (one process; every rollout gathered and scored there)
-    DA  1 rollout host + 1 train host (Ray actors, overlapped, staleness <= 1)
+    CO  H `locojax host` processes (jax.distributed over gloo), each samples, scores and trains its own
+    SC  a controller plus H workers: every completion travels to the controller, which detokenises,
+        scores and normalises all of them, then sends each worker its rows of the train step
+    DA  H/2 rollout + H/2 train hosts (Ray actors, overlapped, staleness <= 1); needs H >= 2
+
+Each host process is pinned to its share of this machine's cores (wrapping when H > cores: 4 hosts on
+2 cores share them two by two, as they would share a smaller slice).
 
 Workloads:
-    host_heavy     GSM8K-style prompts and reward parsing (strict, flexible, format), short
-                   generations: many samples, little device work per sample
-    rollout_heavy  long generations: decode dominates the step
+    host_heavy     MATH-style problems whose answers are LaTeX fractions, scored by the `math` reward
+                   (math-verify: LaTeX -> sympy, symbolic equivalence) on every completion. The policy is
+                   first warm-started by SFT on the same problems, so its completions end in a
+                   `\\boxed{...}` that math-verify really parses (an untrained policy emits no box and the
+                   reward would cost nothing): many samples, real host CPU per sample
+    rollout_heavy  GSM8K-style prompts with long generations: decode dominates the step
 
-For each: median step time over the steady-state steps (all but the two compiling steps and the last
-one, which saves the final checkpoint), the median of that over `--rounds` runs, and the
-device/host/network split, plus the ratios co_vs_sc (SC step / CO step) and da_vs_co (CO step / DA step; > 1 means DA is faster).
-Writes bench/results/coordination.json; the last line printed is `co_vs_sc_host_heavy=<x>`.
+For each (workload, hosts, mode): median step time over the steady-state steps (all but the two
+compiling steps and the last one, which saves the final checkpoint), the median of that over
+`--rounds` runs with the run-to-run spread, and the device/host/network split, plus the ratios co_vs_sc
+(SC step / CO step) and da_vs_co (CO step / DA step; > 1 means DA is faster) per host count.
+Writes bench/results/coordination.json; the last line printed is `co_vs_sc_host_heavy_max_hosts=<x>`.
 """
 
 from __future__ import annotations
@@ -26,32 +34,43 @@ import subprocess
 import sys
 import tempfile
 import time
+from math import gcd
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "coordination.json"
+HOST_COUNTS = (1, 2, 4)
 
 WORKLOADS = {
     "host_heavy": {
-        "task": {"name": "gsm8k", "reward": ["gsm8k", "gsm8k_flexible", "format"]},
-        "rollout": {"prompts_per_step": 64, "group_size": 16, "max_prompt_tokens": 96, "max_new_tokens": 8,
+        "task": {"name": "math", "reward": ["math"]},
+        "rollout": {"prompts_per_step": 32, "group_size": 8, "max_prompt_tokens": 144, "max_new_tokens": 48,
                     "temperature": 1.0},
+        "data": "math_like.jsonl", "warm_start": True,
     },
     "rollout_heavy": {
         "task": {"name": "gsm8k", "reward": ["gsm8k", "gsm8k_flexible", "format"]},
         "rollout": {"prompts_per_step": 8, "group_size": 4, "max_prompt_tokens": 96, "max_new_tokens": 192,
                     "temperature": 1.0},
+        "data": "gsm8k_like.jsonl", "warm_start": False,
     },
 }
-MODES = {
-    "co": {"mode": "co", "hosts": 2, "devices_per_host": 1},
-    "sc": {"mode": "sc", "hosts": 2, "devices_per_host": 1},
-    "da": {"mode": "da", "hosts": 2, "devices_per_host": 1, "rollout_fraction": 0.5},
-}
+MODE_NAMES = ("co", "sc", "da")
+# Kept for bench/placement_accuracy.py: the 2-host placements it was built on.
+MODES = {mode: {"mode": mode, "hosts": 2, "devices_per_host": 1, **({"rollout_fraction": 0.5} if mode == "da" else {})}
+         for mode in MODE_NAMES}
 SPLIT_KEYS = ("time/step", "time/device", "time/host", "time/network", "time/rollout", "time/reward",
-              "time/train", "time/weight_sync")
+              "time/train", "time/weight_sync", "completion/len_mean")
+SFT_STEPS = 300
+
+
+def placement(mode: str, hosts: int) -> dict | None:
+    """The placement of `mode` on `hosts` host processes, or None where the mode cannot run (DA on 1)."""
+    if mode == "da" and hosts < 2:
+        return None
+    return {"mode": mode, "hosts": hosts, "devices_per_host": 1, **({"rollout_fraction": 0.5} if mode == "da" else {})}
 
 
 def write_gsm8k_like(path: Path, count: int = 2000, seed: int = 0) -> None:
@@ -69,23 +88,71 @@ def write_gsm8k_like(path: Path, count: int = 2000, seed: int = 0) -> None:
             f.write(json.dumps({"question": question, "answer": answer}) + "\n")
 
 
-def run_mode(workdir: Path, workload: str, mode: str, steps: int, data: Path, keep_records: bool = False) -> dict:
-    """Train one (workload, mode) run in a subprocess; its medians, plus its spec and metric records
+def write_math_like(path: Path, count: int = 2000, seed: int = 0) -> None:
+    """Synthetic problems in the MATH release format (`problem`, `solution` ending in a boxed answer):
+    sums of two fractions, whose answers are reduced LaTeX fractions math-verify compares symbolically."""
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(count):
+            a, b, c, d = rng.randint(1, 9), rng.randint(2, 12), rng.randint(1, 9), rng.randint(2, 12)
+            numerator, denominator = a * d + c * b, b * d
+            common = gcd(numerator, denominator)
+            p, q = numerator // common, denominator // common
+            answer = str(p) if q == 1 else f"\\frac{{{p}}}{{{q}}}"
+            problem = f"Compute $\\frac{{{a}}}{{{b}}}+\\frac{{{c}}}{{{d}}}$."
+            solution = f"$\\frac{{{numerator}}}{{{denominator}}}=\\boxed{{{answer}}}$"
+            f.write(json.dumps({"problem": problem, "solution": solution}) + "\n")
+
+
+def _train(spec: dict, workdir: Path, timeout_s: float = 1800) -> None:
+    spec_path = workdir / f"{spec['name']}.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    done = subprocess.run([sys.executable, "-m", "locojax.cli", "train", str(spec_path), "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{spec['name']} failed:\n{done.stderr[-4000:]}")
+
+
+def prepare(workdir: Path, workloads=tuple(WORKLOADS)) -> dict[str, dict]:
+    """Each workload's data file, and for a warm-started one the SFT model every mode's runs start from
+    (one SFT run, before any measurement); returns what `run_mode` needs per workload."""
+    writers = {"math_like.jsonl": write_math_like, "gsm8k_like.jsonl": write_gsm8k_like}
+    prepared = {}
+    for workload in workloads:
+        entry = WORKLOADS[workload]
+        data = workdir / entry["data"]
+        if not data.exists():
+            writers[entry["data"]](data)
+        model = {"preset": "tiny"}
+        if entry["warm_start"]:
+            out = workdir / f"{workload}-sft"
+            if not (out / "model").exists():
+                rollout = {**entry["rollout"], "prompts_per_step": 64}
+                _train({"name": f"{workload}-sft", "kind": "sft", "seed": 0, "model": {"preset": "tiny"},
+                        "task": {**entry["task"], "path": str(data)}, "rollout": rollout,
+                        "optim": {"lr": 1e-3, "warmup_steps": 10, "decay": "constant"}, "steps": SFT_STEPS,
+                        "placement": {"mode": "co", "hosts": 1, "devices_per_host": 1},
+                        "checkpoint": {"every": 0}, "output_dir": str(out)}, workdir)
+            model = {"preset": "tiny", "checkpoint": str(out / "model")}
+        prepared[workload] = {"data": data, "model": model}
+    return prepared
+
+
+def run_mode(workdir: Path, workload: str, mode: str, steps: int, prepared: dict, keep_records: bool = False,
+             hosts: int = 2) -> dict:
+    """Train one (workload, mode, hosts) run in a subprocess; its medians, plus its spec and metric records
     when `keep_records` (bench/placement_accuracy.py predicts and calibrates from them)."""
-    name = f"{workload}-{mode}"
-    spec = {"name": name, "seed": 0, "model": {"preset": "tiny"},
-            "task": {**WORKLOADS[workload]["task"], "path": str(data)},
+    name = f"{workload}-{mode}-{hosts}h"
+    where = placement(mode, hosts)
+    assert where is not None, (mode, hosts)
+    spec = {"name": name, "seed": 0, "model": prepared[workload]["model"],
+            "task": {**WORKLOADS[workload]["task"], "path": str(prepared[workload]["data"])},
             "rollout": WORKLOADS[workload]["rollout"],
             "optim": {"lr": 1e-4, "warmup_steps": 0}, "steps": steps,
-            "placement": MODES[mode], "checkpoint": {"every": 0},
+            "placement": where, "checkpoint": {"every": 0},
             "output_dir": str(workdir / name)}
-    spec_path = workdir / f"{name}.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
-    command = [sys.executable, "-m", "locojax.cli", "train", str(spec_path), "--quiet"]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
+    _train(spec, workdir)
     rows = [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
     # Steps 0-1 compile; the last step also saves the run's final checkpoint (0.5-0.8 s here), which
     # is not a steady-state step either.
@@ -94,65 +161,93 @@ def run_mode(workdir: Path, workload: str, mode: str, steps: int, data: Path, ke
     summary["median_step_s"] = summary["time/step"]
     summary["steps_measured"] = len(steady)
     summary["wall_s"] = time.perf_counter() - start
-    summary["settings"] = {"model": "tiny", **WORKLOADS[workload]["rollout"], "placement": MODES[mode]}
+    summary["settings"] = {"model": spec["model"], **WORKLOADS[workload]["rollout"], "placement": where}
     if keep_records:
         summary["spec"], summary["records"] = spec, rows
     return summary
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the rounds of one configuration landed."""
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2,
-                        help="runs of every (workload, mode), in alternating mode order; medians are over rounds")
+                        help="runs of every (workload, hosts, mode), in alternating mode order; medians over rounds")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--hosts", nargs="*", type=int, default=list(HOST_COUNTS))
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     # Measured, not assumed: the cores this process (and the runs it starts) may use, and the machine's.
     machine = {"cores": len(os.sched_getaffinity(0)), "cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
-    results: dict = {"machine": machine, "steps": args.steps, "rounds": args.rounds, "workloads": {}}
-    runs: dict[tuple[str, str], list[dict]] = {}
+    results: dict = {"machine": machine, "steps": args.steps, "rounds": args.rounds, "host_counts": args.hosts,
+                     "sft_steps": SFT_STEPS, "workloads": {}}
+    runs: dict[tuple[str, int, str], list[dict]] = {}
+    loads = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "gsm8k_like.jsonl"
-        write_gsm8k_like(data)
+        prepared = prepare(Path(tmp), args.workloads)
         for round_index in range(args.rounds):
             # The same run moves by up to ~20% between runs on this machine: alternate the order so that
             # no mode always runs first (or right after the heaviest one).
-            order = list(MODES) if round_index % 2 == 0 else list(reversed(MODES))
+            order = list(MODE_NAMES) if round_index % 2 == 0 else list(reversed(MODE_NAMES))
+            workdir = Path(tmp) / f"round{round_index}"
+            workdir.mkdir(exist_ok=True)
             for workload in args.workloads:
-                workdir = Path(tmp) / f"round{round_index}"
-                workdir.mkdir(exist_ok=True)
-                for mode in order:
-                    runs.setdefault((workload, mode), []).append(run_mode(workdir, workload, mode, args.steps, data))
+                for hosts in args.hosts:
+                    for mode in order:
+                        if placement(mode, hosts) is None:
+                            continue
+                        loads.append(os.getloadavg()[0])
+                        run = run_mode(workdir, workload, mode, args.steps, prepared, hosts=hosts)
+                        runs.setdefault((workload, hosts, mode), []).append(run)
+                        print(f"round {round_index} {workload:<14}{hosts}h {mode:<3} {run['median_step_s']:.3f} s",
+                              flush=True)
     for workload in args.workloads:
-        modes = {}
-        for mode in MODES:
-            mine = runs[(workload, mode)]
-            modes[mode] = {**{key: statistics.median(r[key] for r in mine) for key in SPLIT_KEYS},
-                           "settings": mine[0]["settings"],
-                           "rounds": [{key: r[key] for key in ("median_step_s", "steps_measured", "wall_s")}
-                                      for r in mine]}
-            modes[mode]["median_step_s"] = modes[mode]["time/step"]
-        results["workloads"][workload] = {
-            "modes": modes,
-            "co_vs_sc": modes["sc"]["median_step_s"] / modes["co"]["median_step_s"],
-            "da_vs_co": modes["co"]["median_step_s"] / modes["da"]["median_step_s"],
-            "co_vs_sc_per_round": [sc["median_step_s"] / co["median_step_s"]
-                                   for co, sc in zip(modes["co"]["rounds"], modes["sc"]["rounds"])],
-        }
-    results["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2))
-    print(f"{'workload':<14}{'mode':<5}{'step s':>8}{'device':>8}{'host':>8}{'network':>9}")
-    for workload, entry in results["workloads"].items():
-        for mode, s in entry["modes"].items():
-            print(f"{workload:<14}{mode:<5}{s['time/step']:>8.3f}{s['time/device']:>8.3f}{s['time/host']:>8.3f}"
-                  f"{s['time/network']:>9.3f}")
-        print(f"{workload:<14}co_vs_sc={entry['co_vs_sc']:.2f} da_vs_co={entry['da_vs_co']:.2f} (co_vs_sc by round: "
-              + ", ".join(f"{x:.2f}" for x in entry["co_vs_sc_per_round"]) + ")")
+        per_hosts = {}
+        for hosts in args.hosts:
+            modes = {}
+            for mode in MODE_NAMES:
+                mine = runs.get((workload, hosts, mode))
+                if not mine:
+                    continue
+                steps = [r["median_step_s"] for r in mine]
+                modes[mode] = {**{key: statistics.median(r[key] for r in mine) for key in SPLIT_KEYS},
+                               "settings": mine[0]["settings"], "spread": spread(steps),
+                               "rounds": [{key: r[key] for key in ("median_step_s", "steps_measured", "wall_s")}
+                                          for r in mine]}
+                modes[mode]["median_step_s"] = modes[mode]["time/step"]
+            entry = {"modes": modes,
+                     "co_vs_sc": modes["sc"]["median_step_s"] / modes["co"]["median_step_s"],
+                     "co_vs_sc_per_round": [sc["median_step_s"] / co["median_step_s"]
+                                            for co, sc in zip(modes["co"]["rounds"], modes["sc"]["rounds"])]}
+            if "da" in modes:
+                entry["da_vs_co"] = modes["co"]["median_step_s"] / modes["da"]["median_step_s"]
+            per_hosts[str(hosts)] = entry
+        results["workloads"][workload] = {"hosts": per_hosts,
+                                          "co_vs_sc": {h: e["co_vs_sc"] for h, e in per_hosts.items()},
+                                          "da_vs_co": {h: e["da_vs_co"] for h, e in per_hosts.items() if "da_vs_co" in e}}
+    machine["load_avg_1m_end"] = os.getloadavg()[0]
+    machine["load_avg_1m_max_before_a_run"] = max(loads) if loads else None
     host_heavy = results["workloads"].get("host_heavy")
     if host_heavy:
-        print(f"co_vs_sc_host_heavy={host_heavy['co_vs_sc']:.2f}")
+        top = str(max(args.hosts))
+        results["co_vs_sc_host_heavy_max_hosts"] = host_heavy["co_vs_sc"][top]
+        results["max_hosts"] = int(top)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(f"{'workload':<14}{'hosts':>6} {'mode':<5}{'step s':>8}{'device':>8}{'host':>8}{'network':>9}{'spread':>8}")
+    for workload, entry in results["workloads"].items():
+        for hosts, at in entry["hosts"].items():
+            for mode, s in at["modes"].items():
+                print(f"{workload:<14}{hosts:>6} {mode:<5}{s['time/step']:>8.3f}{s['time/device']:>8.3f}"
+                      f"{s['time/host']:>8.3f}{s['time/network']:>9.3f}{s['spread']:>8.2f}")
+            print(f"{workload:<14}{hosts:>6} co_vs_sc={at['co_vs_sc']:.2f}"
+                  + (f" da_vs_co={at['da_vs_co']:.2f}" if "da_vs_co" in at else ""))
+    if host_heavy:
+        print(f"co_vs_sc_host_heavy_max_hosts={results['co_vs_sc_host_heavy_max_hosts']:.2f}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from server.db import Database, upgrade_to_head  # noqa: E402
 from server.models import AGGREGATE_HOST, HostProcessStatus, HostRole, RunStatus, StepMetric  # noqa: E402
 from server.schemas import EventCreate, MetricsBatch, PlacementRecommendRequest, RunHostUpsert  # noqa: E402
 from server.services import events as event_service  # noqa: E402
+from server.services import host_reports  # noqa: E402
 from server.services import metrics as metric_service  # noqa: E402
 from server.services import placement as placement_service  # noqa: E402
 from server.services import runs as run_service  # noqa: E402
@@ -87,7 +88,7 @@ def populate(database_url: str, work: Path) -> tuple[int, str, dict]:
                 run_service.report_transition(session, run_id, to, reason=None, expected=None, source="bench")
         for index in range(2):
             with db.write_session() as session:
-                run_service.upsert_host_process(session, run_id, index, RunHostUpsert(
+                host_reports.upsert_host_process(session, run_id, index, RunHostUpsert(
                     host_name=f"bench-host-{index}", role=HostRole.CO, status=HostProcessStatus.RUNNING,
                     pid=1000 + index))
 
@@ -97,12 +98,12 @@ def populate(database_url: str, work: Path) -> tuple[int, str, dict]:
                      "values": {key: value(index, step) for index, key in enumerate(RUN_CHART_KEYS)}}
                     for step in range(first, min(first + BATCH_STEPS, steps))]
             with db.write_session() as session:
-                metric_service.ingest(session, run_id, MetricsBatch.model_validate({"rows": rows}),
+                metric_service.ingest(session, run_id, MetricsBatch.model_validate({"rows": rows, "attempt": 0}),
                                       max_values=settings.metrics_batch_max_values)
         ingest_s = time.perf_counter() - start
         with db.write_session() as session:
             event_service.append(session, run_id, [EventCreate(message=f"step {step}: reward {value(0, step):.3f}",
-                                                               source="bench", seq=step) for step in range(200)])
+                                                               seq=step) for step in range(200)], source="bench")
         with db.read_session() as session:
             stored = session.scalar(select(func.count()).select_from(StepMetric).where(StepMetric.run_id == run_id))
     finally:

@@ -16,7 +16,8 @@ Sides, each a subprocess so neither sees the other's compilation caches or memor
     loop, unmodified except that the rollout's `SamplingConfig` gets `eos_id=None` (our sampler
     otherwise stops at EOS), so every row decodes 64 tokens. Step k's period is the wall time
     between the metric records of steps k-1 and k, i.e. everything the loop does per step
-    (rollout, reward, advantages, reference log-probs, train step, checksum, JSONL metrics).
+    (rollout, reward, advantages, reference log-probs, train step, JSONL metrics; the parameter
+    checksum is off, as in any spec without `debug.checksum_every`).
   * Tunix (bench/peers/tunix_grpo_step.py, in its own ignored venv bench/.peer-venvs/tunix, never a
     project dependency): `GRPOLearner.train` on a Qwen3 of identical dimensions built with
     `create_dummy_model`; step k's period is the wall time between the learner's pulls of batch k

@@ -138,7 +138,7 @@ def step_batches(steps: int, hosts: int, batch_steps: int) -> Iterator[range]:
 
 def our_bodies(steps: int, hosts: int, batch_steps: int) -> list[bytes]:
     return [json.dumps({"rows": [{"step": s, "host": h, "values": {k: value(i, h, s) for i, k in enumerate(KEYS)}}
-                                 for s in batch for h in range(hosts)]}).encode()
+                                 for s in batch for h in range(hosts)], "attempt": 0}).encode()
             for batch in step_batches(steps, hosts, batch_steps)]
 
 
@@ -181,7 +181,9 @@ def bench_ours(database_url: str, args: argparse.Namespace, work: Path) -> dict:
     env = {**os.environ, "LOCOJAX_DATABASE_URL": database_url, "LOCOJAX_BROKER_URL": "memory://",
            "LOCOJAX_LOG_LEVEL": "warning", "LOCOJAX_HOME": str(work / ".locojax")}
     _locojax(["db", "upgrade"], env)
-    token = _locojax(["token", "create", "--scope", "worker", "--scope", "submit", "--name", "bench"], env)
+    # An admin token: the run is never placed on a host (no scheduler here), and an admin reports for any
+    # run through the same ingest path (the attempt and placement checks included).
+    token = _locojax(["token", "create", "--scope", "admin", "--name", "bench"], env)
     port = _free_port()
     command = [sys.executable, "-m", "locojax.cli", "serve", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
@@ -198,7 +200,8 @@ def bench_ours(database_url: str, args: argparse.Namespace, work: Path) -> dict:
         big_seconds = post_all(client, f"/api/v1/runs/{run_id}/metrics", big_bodies)
 
         long_bodies = [json.dumps({"rows": [{"step": s, "host": -1, "values": {LONG_KEY: math.cos(s * 1e-3)}}
-                                            for s in range(start, min(start + 5000, LONG_STEPS))]}).encode()
+                                            for s in range(start, min(start + 5000, LONG_STEPS))],
+                                   "attempt": 0}).encode()
                        for start in range(0, LONG_STEPS, 5000)]
         post_all(client, f"/api/v1/runs/{run_id}/metrics", long_bodies)
 

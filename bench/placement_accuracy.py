@@ -45,6 +45,11 @@ headline (`round_contention`) figure, worst run over all rounds.
 
 `--input coordination.json` scores the measurements in that file instead of running the workloads
 (no contention known, no calibration: the file holds medians only); the JSON says which was done.
+When that file holds several host counts (bench/coordination.py at 1, 2 and 4 host processes), modes
+are compared per count (`<workload>@<H>h`) and `out_of_sample` is the issue-19 check: the probe's
+profile calibrated on the runs at fewer hosts predicts the runs at the most hosts; it reports
+`max_rel_error` (target 0.25) and, of the mode pairs whose measured gap exceeds their run-to-run
+spread (`pairs_apart`), how many the model orders as measured (`pairs_ranked_correctly`).
 `--save-raw` / `--from-raw` keep and re-score one bench run's probe and step records (every variant,
 the headline included, is recomputed from them without measuring).
 """
@@ -128,7 +133,7 @@ class StepClock:
 def measure(args, probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs, `--rounds` times. With `--probe-each-round`, every round after the first is preceded by
     a new probe (appended to `probes`), and each run records the probe it is predicted from."""
-    from bench.coordination import MODES, run_mode, write_gsm8k_like
+    from bench.coordination import MODES, prepare, run_mode
     from locojax.placement.probe import ContentionMeter, run_probe, span_contention
 
     runs = []
@@ -136,8 +141,7 @@ def measure(args, probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp)
-            data = workdir / "gsm8k_like.jsonl"
-            write_gsm8k_like(data)
+            prepared = prepare(workdir, args.workloads)
             for round_index in range(args.rounds):
                 if args.probe_each_round and round_index > 0:
                     probes.append(run_probe(presets=PRESETS))
@@ -149,9 +153,9 @@ def measure(args, probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 order = list(MODES) if round_index % 2 == 0 else list(reversed(MODES))
                 for workload in args.workloads:
                     for mode in order:
-                        clock = StepClock(round_dir / f"{workload}-{mode}" / "metrics.jsonl")
+                        clock = StepClock(round_dir / f"{workload}-{mode}-{MODES[mode]['hosts']}h" / "metrics.jsonl")
                         try:
-                            run = run_mode(round_dir, workload, mode, args.steps, data, keep_records=True)
+                            run = run_mode(round_dir, workload, mode, args.steps, prepared, keep_records=True)
                         finally:
                             clock.stop()
                         # The steps in the run's medians: from the end of the last compile step to the end.
@@ -176,16 +180,24 @@ def runs_from_file(path: Path) -> list[dict[str, Any]]:
 
     runs = []
     for workload, entry in data.get("workloads", {}).items():
-        for mode, run in entry.get("modes", {}).items():
+        # Per host count (bench/coordination.py since issue 19), or one placement per mode (before).
+        by_hosts = entry["hosts"].values() if "hosts" in entry else [entry]
+        for mode, run in ((mode, run) for at in by_hosts for mode, run in at.get("modes", {}).items()):
             settings = run["settings"]
-            spec = {"name": f"{workload}-{mode}", "model": {"preset": settings.get("model", "tiny")},
+            model = settings.get("model", "tiny")
+            # The preset is what the cost model needs (a warm start's weights do not change its size).
+            spec = {"name": f"{workload}-{mode}-{settings['placement']['hosts']}h",
+                    "model": {"preset": model["preset"] if isinstance(model, dict) else model},
                     "task": {**WORKLOADS[workload]["task"], "path": "unused.jsonl"},
                     "rollout": {k: settings[k] for k in WORKLOADS[workload]["rollout"]},
                     "placement": settings["placement"], "steps": data.get("steps", 8)}
             # One aggregated record holding the medians stands in for the step records.
-            record = {"step": SKIP_STEPS, "host": "all", **{k: v for k, v in run.items() if k.startswith("time/")}}
-            runs.append({**run, "round": 0, "workload": workload, "mode": mode, "spec": spec, "records": [record],
-                         "device_time_scale": 1.0})
+            record = {"step": SKIP_STEPS, "host": "all", **{k: v for k, v in run.items()
+                                                            if k.startswith(("time/", "completion/"))}}
+            # With several host counts, modes are compared at the same count: `<workload>@<H>h`.
+            label = f"{workload}@{settings['placement']['hosts']}h" if "hosts" in entry else workload
+            runs.append({**run, "round": 0, "workload": label, "mode": mode, "spec": spec, "records": [record],
+                         "device_time_scale": 1.0, "spread": run.get("spread", 0.0)})
     return runs
 
 
@@ -226,6 +238,74 @@ def score(runs: list[dict[str, Any]], base, calibrate_runs: bool) -> dict[str, A
     return {"observations": observations, "variants": variants, "calibration": calibration}
 
 
+def hosts_of(run: dict[str, Any]) -> int:
+    return int(run["spec"]["placement"]["hosts"])
+
+
+def out_of_sample(runs: list[dict[str, Any]], base) -> dict[str, Any] | None:
+    """Fit on the runs at fewer hosts, predict the runs at the most hosts (issue 19).
+
+    The profile is calibrated (host and network constants, least squares) on the probe plus every run
+    with fewer host processes than the largest count, and then predicts each run at the largest count
+    at its round's contention (as the headline does). Per workload, the prediction of each mode is the
+    median over rounds, as the benchmark reports its medians. A mode pair counts as *apart* only when
+    the measured gap between the two exceeds the larger of their run-to-run spreads; the model must
+    order every such pair as measured. Returns None when the runs span a single host count."""
+    from locojax.placement.calibration import calibrate
+
+    counts = sorted({hosts_of(run) for run in runs})
+    if len(counts) < 2:
+        return None
+    top = counts[-1]
+    observations = [observation(run) for run in runs]
+    fit_on = [obs for obs, run in zip(observations, runs) if hosts_of(run) < top]
+    fitted = calibrate(base, fit_on)
+    predicted = {}
+    for i, (run, obs) in enumerate(zip(runs, observations)):
+        if hosts_of(run) == top:
+            scaled = dataclasses.replace(obs, device_time_scale=others_contention(runs, i))
+            predicted[i] = prediction(scaled, fitted.profile)
+    per_run = [{"workload": runs[i]["workload"], "mode": runs[i]["mode"], "round": runs[i]["round"],
+                "measured_step_s": observations[i].measured.step_s, "predicted_step_s": p["step_s"],
+                "rel_error": rel_error(p["step_s"], observations[i].measured.step_s)} for i, p in predicted.items()]
+    per_mode: dict[str, dict[str, dict[str, float]]] = {}
+    for workload in sorted({r["workload"] for r in per_run}):
+        for mode in sorted({r["mode"] for r in per_run if r["workload"] == workload}):
+            mine = [r for r in per_run if r["workload"] == workload and r["mode"] == mode]
+            measured = [r["measured_step_s"] for r in mine]
+            runs_here = [run for run in runs if run["workload"] == workload and run["mode"] == mode
+                         and hosts_of(run) == top]
+            # The spread of the configuration: across this bench's rounds, or the one coordination.json gives.
+            spread = ((max(measured) - min(measured)) / statistics.median(measured) if len(measured) > 1
+                      else max((run.get("spread", 0.0) for run in runs_here), default=0.0))
+            per_mode.setdefault(workload, {})[mode] = {
+                "measured_step_s": statistics.median(measured),
+                "predicted_step_s": statistics.median(r["predicted_step_s"] for r in mine), "spread": spread}
+    pairs = []
+    for workload, modes in per_mode.items():
+        names = sorted(modes)
+        for i, first in enumerate(names):
+            for second in names[i + 1:]:
+                a, b = modes[first], modes[second]
+                gap = abs(a["measured_step_s"] - b["measured_step_s"]) / min(a["measured_step_s"], b["measured_step_s"])
+                pairs.append({"workload": workload, "pair": f"{first}/{second}", "measured_gap": gap,
+                              "spread": max(a["spread"], b["spread"]), "apart": gap > max(a["spread"], b["spread"]),
+                              "ranked_correctly": (a["measured_step_s"] < b["measured_step_s"])
+                              == (a["predicted_step_s"] < b["predicted_step_s"])})
+    return {
+        "fitted_on_hosts": counts[:-1], "predicted_hosts": top, "runs_fitted": len(fit_on),
+        "calibration": {"constants": fitted.constants, "fit_error_before": fitted.before.__dict__,
+                        "fit_error_after": fitted.after.__dict__},
+        "max_rel_error": max(r["rel_error"] for r in per_run),
+        "benchmark_max_rel_error": max(rel_error(m["predicted_step_s"], m["measured_step_s"])
+                                       for modes in per_mode.values() for m in modes.values()),
+        "target_rel_error": TARGET_REL_ERROR,
+        "pairs_apart": sum(p["apart"] for p in pairs),
+        "pairs_ranked_correctly": sum(p["apart"] and p["ranked_correctly"] for p in pairs),
+        "pairs": pairs, "per_mode": per_mode, "runs": per_run,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="times every (workload, mode) run is measured")
@@ -256,10 +336,9 @@ def main() -> None:
         from locojax.placement.probe import KernelProbe, profile_from_measurements, span_contention
 
         for probe in probes:
-            for layout in ("pinned", "controller"):  # re-derive with the current code
-                for kernel in probe["measurements"].get(f"kernels_{layout}", []):
-                    if kernel.get("reps"):
-                        kernel["s"] = KernelProbe.summary(kernel["reps"])["s"]
+            for kernel in probe["measurements"]["kernels_pinned"]:  # re-derive with the current code
+                if kernel.get("reps"):
+                    kernel["s"] = KernelProbe.summary(kernel["reps"])["s"]
             probe["profile"] = profile_from_measurements(probe["measurements"], raw["cores"])
         for run in runs:
             if run.get("schedstat"):
@@ -272,6 +351,7 @@ def main() -> None:
         print(f"probe done in {probe_s:.0f} s", flush=True)
         if args.input:
             runs = runs_from_file(args.input)
+            args.workloads = list(dict.fromkeys(run["workload"] for run in runs))
             source = f"measurements read from {args.input} (not measured in this run; no contention measured)"
         else:
             runs = measure(args, probes)
@@ -395,6 +475,12 @@ def main() -> None:
                       "benchmark_rankings_matched": sum(v["match"][name] for v in benchmark.values()),
                       "benchmark_rankings": len(benchmark)} for name in variants}
     max_rel_error = summary[headline]["max_rel_error"]
+    # Out of sample across host counts: fitted on the smaller counts' runs (of the first probe's
+    # profile, re-calibrated), scored on the largest count's.
+    with tempfile.TemporaryDirectory() as tmp:
+        profile_path = Path(tmp) / "local-cpu.json"
+        profile_path.write_text(json.dumps(probe))
+        beyond = out_of_sample(runs, load_local_cpu_profile(profile_path))
     output = {
         "target_rel_error": TARGET_REL_ERROR,
         "measurements": source,
@@ -409,6 +495,7 @@ def main() -> None:
         "benchmark_ranking": benchmark,
         "ranking": ranking,
         "pairwise_order": pairs,
+        "out_of_sample": beyond,
         "calibration": scored["calibration"],
         "probe": probe,
         "probes_matmul_flops": [p["measurements"].get("matmul_flops") for p in probes],
@@ -444,6 +531,10 @@ def main() -> None:
         print("round-to-round spread of measured medians: "
               + ", ".join(f"{k} {v:.0%}" for k, v in spread.items()))
         print("  ... of measured median / contention: " + ", ".join(f"{k} {v:.0%}" for k, v in normalized_spread.items()))
+    if beyond:
+        print(f"out of sample: fitted on {beyond['fitted_on_hosts']} host(s), predicting {beyond['predicted_hosts']}: "
+              f"max_rel_error={beyond['max_rel_error']:.3f} (target {TARGET_REL_ERROR}); pairs apart "
+              f"{beyond['pairs_ranked_correctly']}/{beyond['pairs_apart']} ranked as measured")
     print(f"bench took {output['bench_s']:.0f} s; headline: {headline}")
     print(f"max_rel_error={max_rel_error:.3f}")
 

@@ -14,10 +14,15 @@ host workers on them, then runs every scenario of tests/e2e (the same code the t
               spec-named endpoints, an engine process looking for credentials, cookie forgery and replay
               after logout, framing, a foreign Host, login brute force, oversized inputs; per attack
               what was sent, what came back, blocked or not
+  isolation   issue 17: another tenant's cancel/resume/delete and idempotency key, worker tokens of other
+              hosts, a second worker instance on a live host, forged process rows, hand-made transitions,
+              stale attempts' reports, spec-chosen run directories and data paths out of the roots, a
+              512-host run ahead of a 1-host one; per probe what was sent, what came back, blocked or not
 
 Writes bench/results/reliability.json (per scenario: passed, recover_s, metrics_lost, values_reposted, checks,
 details; for load: requests, errors, p50/p99 latency). The last line printed is
-`faults_survived=<n>/<total> bad_inputs_rejected=<n>/<total> load_errors=<n> attacks_blocked=<n>/<tried>`.
+`faults_survived=<n>/<total> bad_inputs_rejected=<n>/<total> load_errors=<n> attacks_blocked=<n>/<tried>
+isolation_blocked=<n>/<tried>`.
 
     .venv/bin/python bench/reliability.py [--duration 60] [--clients 50] [--only load,kill_api]
 """
@@ -52,12 +57,14 @@ def summary(results: dict[str, dict]) -> dict[str, object]:
     bad = {key: value for key, value in group("bad_input").items() if "cases" in value["details"]}
     load = results.get("load")
     attack = results.get("attacks", {}).get("details", {})
+    isolated = results.get("isolation", {}).get("details", {})
     return {
         "faults_survived": sum(value["passed"] for value in faults.values()), "faults_total": len(faults),
         "bad_inputs_rejected": sum(value["details"].get("rejected", 0) for value in bad.values()),
         "bad_inputs_total": sum(value["details"]["cases"] for value in bad.values()),
         "load_errors": load["details"].get("errors") if load and "errors" in load["details"] else None,
         "attacks_tried": attack.get("attacks_tried"), "attacks_blocked": attack.get("attacks_blocked"),
+        "isolation_tried": isolated.get("isolation_tried"), "isolation_blocked": isolated.get("isolation_blocked"),
         "scenarios_passed": sum(value["passed"] for value in results.values()), "scenarios_total": len(results),
     }
 
@@ -122,7 +129,8 @@ def main() -> int:
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     print(f"faults_survived={totals['faults_survived']}/{totals['faults_total']} "
           f"bad_inputs_rejected={totals['bad_inputs_rejected']}/{totals['bad_inputs_total']} "
-          f"load_errors={totals['load_errors']} attacks_blocked={totals['attacks_blocked']}/{totals['attacks_tried']}")
+          f"load_errors={totals['load_errors']} attacks_blocked={totals['attacks_blocked']}/{totals['attacks_tried']} "
+          f"isolation_blocked={totals['isolation_blocked']}/{totals['isolation_tried']}")
     return 0 if all(result["passed"] for result in results.values()) else 1
 
 

@@ -22,10 +22,11 @@ from typing import Annotated, Any
 import httpx
 import typer
 
+from locojax.contract import TERMINAL_STATES, RunStatus
 from locojax.spec import SpecError, load_spec
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+TERMINAL = frozenset(status.value for status in TERMINAL_STATES)
 
 
 class ApiClientError(Exception):
@@ -95,14 +96,17 @@ class ApiClient:
     def delete_run(self, run_id: int) -> None:
         self.request("DELETE", f"/api/v1/runs/{run_id}")
 
-    # worker reports
     def report_transition(self, run_id: int, to: str, *, reason: str | None = None,
                           expected: str | None = None) -> dict[str, Any]:
+        """Move a run by hand (admin tokens only)."""
         body = {"to": to, "reason": reason, "expected": expected}
         return self.request("POST", f"/api/v1/runs/{run_id}/transitions", json={k: v for k, v in body.items() if v})
 
-    def report_checkpoint(self, run_id: int, step: int) -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/runs/{run_id}/checkpoints", json={"step": step})
+    # worker reports: each names the run attempt it belongs to (a stale one is a 409) and the reporting host
+    def report_checkpoint(self, run_id: int, step: int, *, attempt: int, host_name: str | None = None
+                          ) -> dict[str, Any]:
+        return self.request("POST", f"/api/v1/runs/{run_id}/checkpoints",
+                            json=_report({"step": step}, attempt, host_name))
 
     def report_host_process(self, run_id: int, process_index: int, **fields: Any) -> dict[str, Any]:
         return self.request("PUT", f"/api/v1/runs/{run_id}/hosts/{process_index}", json=fields)
@@ -111,12 +115,15 @@ class ApiClient:
         params = {"attempt": attempt} if attempt is not None else {}
         return self.request("GET", f"/api/v1/runs/{run_id}/hosts", params=params)["data"]
 
-    def post_metrics(self, run_id: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def post_metrics(self, run_id: int, rows: list[dict[str, Any]], *, attempt: int,
+                     host_name: str | None = None) -> dict[str, Any]:
         """rows: [{"step": int, "host": int (-1 = aggregated), "values": {key: float}}]; idempotent."""
-        return self.request("POST", f"/api/v1/runs/{run_id}/metrics", json={"rows": rows})
+        return self.request("POST", f"/api/v1/runs/{run_id}/metrics", json=_report({"rows": rows}, attempt, host_name))
 
-    def post_events(self, run_id: int, events: list[dict[str, Any]]) -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/runs/{run_id}/events", json={"events": events})
+    def post_events(self, run_id: int, events: list[dict[str, Any]], *, attempt: int,
+                    host_name: str | None = None) -> dict[str, Any]:
+        return self.request("POST", f"/api/v1/runs/{run_id}/events",
+                            json=_report({"events": events}, attempt, host_name))
 
     def register_host(self, name: str, **fields: Any) -> dict[str, Any]:
         return self.request("POST", "/api/v1/hosts", json={"name": name, **fields})
@@ -154,6 +161,10 @@ class ApiClient:
                     yield name, data
                     if name == "end":
                         return
+
+
+def _report(body: dict[str, Any], attempt: int, host_name: str | None) -> dict[str, Any]:
+    return {**body, "attempt": attempt, **({"host_name": host_name} if host_name else {})}
 
 
 def _parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -243,7 +254,7 @@ def submit(
             _follow(client, run["id"])
             run = _call(client.get_run, run["id"])
             _print(run, as_json)
-            if run["status"] != "SUCCEEDED":
+            if run["status"] != RunStatus.SUCCEEDED:
                 raise typer.Exit(1)
 
 

@@ -15,9 +15,8 @@ from pydantic import ValidationError
 
 from locojax.spec import EvalSpec, RunSpec, SpecError, load_spec, parse_spec
 
-# Exit code of `train`/`host` after a cooperative cancel; the worker reports such a process as stopped,
-# not failed (worker/protocol.py names the same value).
-EXIT_CANCELLED = 3
+from locojax.contract import CHECKPOINTS_DIR, EXIT_CANCELLED, EXIT_FAILED, EngineStatus
+from locojax.modes import spec_mode
 
 SpecArg = typer.Argument(..., exists=False, help="run spec (YAML); see examples/")
 
@@ -51,16 +50,16 @@ RewardModulesOpt = typer.Option(
 
 
 def _allow_rewards(spec: RunSpec, reward_modules: str, where: str, eval_spec: EvalSpec | None = None) -> None:
-    """Set this process's reward allowlist and refuse a spec naming a reward outside it, before anything
-    is imported: the host re-checks what the API accepted (a forged start message stops here). The eval
-    block's rewards (`eval_spec`, default the spec's own) are checked the same way."""
-    from locojax.rewards import allow_reward_modules, allowed_reward_modules, check_reward_names
+    """Set this process's reward allowlist and refuse a spec naming a task or reward its registries do not
+    hold or a reward outside the allowlist, before anything is imported: the host re-checks what the API
+    accepted (a forged start message stops here), with the API's messages. The eval block's rewards
+    (`eval_spec`, default the spec's own) are checked the same way."""
+    from locojax.rewards import allow_reward_modules, allowed_reward_modules
 
     allow_reward_modules(reward_modules)
-    eval_spec = eval_spec or spec.eval
-    named = {"task.reward": spec.task.reward or [], "eval.reward": (eval_spec.reward if eval_spec else None) or []}
-    refused = [(f"{field}.{index}", message) for field, names in named.items()
-               for index, message in check_reward_names(names, allowed_reward_modules())]
+    if eval_spec is not None:
+        spec = spec.model_copy(update={"eval": eval_spec})
+    refused = spec.unknown_names(allowed_reward_modules())
     if refused:
         lines = "; ".join(f"{field}: {message}" for field, message in refused)
         typer.secho(f"{where}: refused: {lines}", fg="red", err=True)
@@ -94,6 +93,12 @@ def train(
     reward_modules: str = RewardModulesOpt,
     ray_address: Optional[str] = typer.Option(None, "--ray-address",
                                               help="DA: the operator's Ray cluster; default: a private one here"),
+    listen: Optional[str] = typer.Option(None, help="ADDR:PORT where the controller listens for the processes the "
+                                                    "control plane starts on the run's other hosts (SC: its "
+                                                    "workers; DA: its Ray head); default: it starts them here"),
+    secret_file: Optional[Path] = typer.Option(None, help="the attempt's shared secret (a file only this user "
+                                                          "can read), with which its processes authenticate "
+                                                          "(DA: the Ray token)"),
 ) -> None:
     """Train a run (GRPO, or SFT for `kind: sft`): in this process when it has one host, else start its
     hosts with `launch`."""
@@ -104,23 +109,33 @@ def train(
         spec = _with(spec, **overrides)
     _allow_rewards(spec, reward_modules, str(spec_path))
     _check_data(spec, spec_path)
-    placement = spec.placement
-    if spec.kind == "grpo" and placement.mode == "co" and placement.hosts > 1:
+    placement, mode = spec.placement, spec_mode(spec)
+    if mode.multi_process and placement.hosts > 1:
         _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file, reward_modules)
         return
-    single_host = spec.kind == "sft" or placement.mode == "co"
-    configure_jax(placement.devices_per_host if single_host else placement.hosts * placement.devices_per_host)
-    from locojax.modes import run_mode
+    from locojax.modes import isolate_network, run_mode
+
+    # A DA driver whose reserved hosts join its Ray head listens on its host's network, not a private one.
+    head = listen if mode.uses_ray and not ray_address else None
+    isolate_network(spec, ray_address or head)
+    configure_jax(mode.local_devices(placement))
     from locojax.modes.da import DAError
+    from locojax.modes.sc import SCError
+    from locojax.placement.memory import MemoryPlanError
 
     try:
-        extra = {"ray_address": ray_address} if ray_address and spec.kind == "grpo" and placement.mode == "da" else {}
+        extra = {"ray_address": ray_address} if ray_address and mode.uses_ray else {}
+        if listen and not (mode.uses_ray and ray_address):  # an operator's Ray replaces a DA run's own head
+            extra.update(listen=listen, secret_file=secret_file)
         result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file, **extra)
-    except DAError as exc:
+    except (DAError, SCError) as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_FAILED) from None
+    except MemoryPlanError as exc:  # refused before allocating: a spec that asks too much, like a bad field
+        typer.secho(f"{spec.name}: refused: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"{spec.name}: {result.status} after {result.steps_done} steps")
-    if result.status == "cancelled":
+    if result.status == EngineStatus.CANCELLED:
         raise typer.Exit(EXIT_CANCELLED)
 
 
@@ -163,8 +178,64 @@ def host(
         typer.echo(f"{spec.name}: {result.status} after {result.steps_done} steps")
     if num_processes > 1:
         jax.distributed.shutdown()
-    if result.status == "cancelled":
+    if result.status == EngineStatus.CANCELLED:
         raise typer.Exit(EXIT_CANCELLED)
+
+
+def ray_node(
+    spec_path: Path = SpecArg,
+    head: str = typer.Option(..., "--head", help="ADDR:PORT of the run's Ray head (its driver's published address)"),
+    node_address: str = typer.Option(..., "--node-address", help="this host's address, which its Ray node binds"),
+    process_id: int = typer.Option(..., help="this host's index among the run's reserved hosts"),
+    secret_file: Optional[Path] = typer.Option(None, "--secret-file", help="the attempt's shared secret: the "
+                                               "cluster's Ray token"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="the worker's operator Ray cluster, "
+                                              "which then holds the run's actors: this host runs nothing"),
+) -> None:
+    """One reserved host of a DA run other than its driver's: a Ray node that joins the run's head and
+    holds this host's actors until the driver ends the cluster (locojax.modes.da_cluster)."""
+    spec = _load(spec_path)
+    if not spec_mode(spec).uses_ray or not 1 <= process_id < spec.placement.hosts:
+        typer.secho(f"{spec_path}: a Ray node is one of a Ray mode's (DA's) reserved hosts "
+                    f"1..{spec.placement.hosts - 1}, not mode {spec.placement.mode!r} process {process_id}",
+                    fg="red", err=True)
+        raise typer.Exit(2)
+    if ray_address:
+        typer.echo(f"host {process_id}: the run's actors live on the operator's Ray cluster; nothing to run here")
+        return
+    if secret_file is None:
+        typer.secho("--secret-file is required: the run's Ray cluster refuses anyone without its token", fg="red",
+                    err=True)
+        raise typer.Exit(2)
+    from locojax.modes.da_cluster import serve_node
+
+    code = serve_node(spec, head, node_address, process_id, secret_file)
+    if code:
+        raise typer.Exit(code)
+
+
+def sc_worker(
+    spec_path: Path = SpecArg,
+    controller: str = typer.Option(..., help="ADDR:PORT of the run's SC controller"),
+    process_id: int = typer.Option(..., help="this process's index in the run (1..hosts; 0 is the controller)"),
+    devices_per_host: int = typer.Option(1, help="CPU devices to simulate in this process"),
+    secret_file: Path = typer.Option(..., help="the attempt's shared secret (a file only this user can read)"),
+    resume: bool = typer.Option(False, "--resume"),
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Run one host's worker of an SC run: it samples and trains that host's share when its
+    controller says so, and stops when the controller does."""
+    spec = _load(spec_path)
+    _check_data(spec, spec_path)
+    configure_jax(devices_per_host)
+    from locojax.link import LinkError, read_secret
+    from locojax.modes.sc import serve_worker
+
+    try:
+        serve_worker(spec, controller, read_secret(secret_file), process_id, resume)
+    except LinkError as exc:
+        typer.secho(f"{spec.name}: SC worker {process_id}: the controller went away: {exc}", fg="red", err=True)
+        raise typer.Exit(EXIT_FAILED) from None
 
 
 def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool,
@@ -172,7 +243,7 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     import tempfile
 
     from locojax.launch import LaunchError, launch
-    from locojax.modes.run_files import output_dir
+    from locojax.runner import output_dir
     from locojax.spec import dump_spec
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
@@ -276,7 +347,7 @@ def eval_command(
 
     from locojax import metrics as m
     from locojax.evaluate import Evaluator, eval_rewards
-    from locojax.modes.common import load_policy
+    from locojax.policy import load_policy
 
     hf = (checkpoint / "config.json").is_file()
     # An Orbax checkpoint holds params only: the spec's own starting model gives their tree and shapes.
@@ -284,7 +355,7 @@ def eval_command(
     if not hf:
         from locojax.checkpoint import load_params
 
-        orbax = checkpoint / "checkpoints" if (checkpoint / "checkpoints").is_dir() else checkpoint
+        orbax = checkpoint / CHECKPOINTS_DIR if (checkpoint / CHECKPOINTS_DIR).is_dir() else checkpoint
         try:
             policy.params = load_params(orbax, policy.params)
         except FileNotFoundError as exc:
@@ -317,7 +388,9 @@ def demo(
 def register(app: typer.Typer) -> None:
     app.command("train")(train)
     app.command("host")(host)
+    app.command("ray-node")(ray_node)
     app.command("launch")(launch_command)
+    app.command("sc-worker")(sc_worker)
     app.command("sft")(sft)
     app.command("eval")(eval_command)
     app.command("demo")(demo)

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from locojax import metrics as m
-from locojax.modes.common import Policy, to_local
+from locojax.policy import Policy, to_local
 from locojax.rewards import score
 from locojax.rollout import (
     SamplingConfig,

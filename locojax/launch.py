@@ -82,7 +82,7 @@ class _suppress_lookup:
 def _where(status_dir: Path | None, host: int) -> str:
     if status_dir is None:
         return ""
-    from locojax.modes.run_files import read_host_status
+    from locojax.contract import read_host_status
 
     status = read_host_status(status_dir, host)
     return f" during {status['phase']} of step {status['step']}" if status else " during start-up"

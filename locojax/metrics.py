@@ -1,8 +1,9 @@
-"""Metric names, phase timers, the device/host/network split, and reporters.
+"""Phase timers, the device/host/network split, and reporters.
 
-This module owns (1) every per-step metric name of DESIGN §6, defined once below with its meaning
-and how it aggregates across hosts, (2) `PhaseTimer`, which measures wall time per phase and the
-paper's split, (3) `split_step_time`, the one definition of that split, and (4) the sinks a run
+The per-step metric names of DESIGN §6 are defined once, with their meaning and how they aggregate
+across hosts, in the jax-free `locojax.contract` (re-exported here, so `m.TIME_STEP` reads as before).
+This module owns (1) the host-side summaries whose definitions belong with those names, (2)
+`PhaseTimer`, which measures wall time per phase and the paper's split, (3) `split_step_time`, the one definition of that split, and (4) the sinks a run
 reports to (console progress bar, JSONL file, anything implementing `MetricSink`, e.g. the
 control plane's HTTP sink) behind one `MetricsLogger`.
 
@@ -14,121 +15,23 @@ the process index, or "all" for the aggregate over hosts (`aggregate_hosts`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
-import math
 import time
 import warnings
-from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
 
-Aggregation = Literal["mean", "max", "sum", "min", "ratio"]
-Split = Literal["device", "network"]
-Host = int | str  # a process index, or ALL_HOSTS for the aggregate
-ALL_HOSTS = "all"
-
-
-@dataclasses.dataclass(frozen=True)
-class MetricInfo:
-    name: str
-    unit: str
-    across_hosts: Aggregation
-    description: str
-
-
-METRICS: dict[str, MetricInfo] = {}
-# A "ratio" metric's (numerator, denominator) metric names: across hosts it is sum(numerator) /
-# sum(denominator), so H hosts report exactly what one host would on the same items.
-RATIO_PARTS: dict[str, tuple[str, str]] = {}
-
-
-def _define(name: str, unit: str, across_hosts: Aggregation, description: str) -> str:
-    METRICS[name] = MetricInfo(name, unit, across_hosts, description)
-    return name
-
-
-# --- time: wall seconds per step. Phases may nest inside others; they are not a partition. -------
-# A synchronous step is as slow as its slowest host, hence max for time/step; phase times are means.
-TIME_STEP = _define("time/step", "s", "max", "wall time of the whole step on this host")
-TIME_ROLLOUT = _define("time/rollout", "s", "mean", "prompt sharding, prefill and decode, incl. detokenisation")
-TIME_REWARD = _define("time/reward", "s", "mean", "reward scoring on the host CPU")
-TIME_ADVANTAGE = _define("time/advantage", "s", "mean", "group-normalised advantages")
-TIME_TRAIN = _define("time/train", "s", "mean", "global batch assembly and the train step (incl. its all-reduce)")
-TIME_WEIGHT_SYNC = _define("time/weight_sync", "s", "mean", "DA: pushing new weights to rollout hosts")
-TIME_CHECKPOINT = _define("time/checkpoint", "s", "mean", "blocking part of a checkpoint save")
-# The paper's split; see `split_step_time` for the definition.
-TIME_DEVICE = _define("time/device", "s", "mean", "devices busy: device computations timed up to block_until_ready")
-TIME_NETWORK = _define("time/network", "s", "mean", "collectives and weight transfers timed on their own")
-TIME_HOST = _define("time/host", "s", "mean", "step minus device minus network: host orchestration while devices wait")
-
-# --- throughput: each host's tokens over the same synchronous step, so the global rate is the sum.
-THROUGHPUT_ROLLOUT_TOKENS = _define(
-    "throughput/rollout_tokens_per_s", "tokens/s", "sum", "generated completion tokens / time/rollout")
-THROUGHPUT_TRAIN_TOKENS = _define(
-    "throughput/train_tokens_per_s", "tokens/s", "sum", "prompt+completion tokens trained / time/train")
-
-# --- rewards: every host scores equally many samples, so the mean of host means is the global
-# mean; reward/std aggregated as a mean of host stds is an approximation (it omits the spread
-# between host means).
-REWARD_MEAN = _define("reward/mean", "", "mean", "mean total reward over the step's samples")
-REWARD_STD = _define("reward/std", "", "mean", "std of total reward over the step's samples (ddof=0)")
-REWARD_FRAC_ZERO_STD = _define(
-    "reward/frac_zero_std", "", "mean", "fraction of groups whose rewards are all equal (zero advantage)")
-REWARD_FN_MEAN_PATTERN = "reward/{fn}/mean"  # per reward function; aggregated as a mean
-
-
-def reward_fn_mean(fn: str) -> str:
-    """`reward/<fn>/mean`: the mean of one reward function's scores."""
-    return REWARD_FN_MEAN_PATTERN.format(fn=fn)
-
-
-# --- train step outputs: one SPMD step computes them over the global batch, so hosts agree.
-LOSS_POLICY = _define("loss/policy", "", "mean", "clipped surrogate loss under the chosen aggregation")
-LOSS_KL = _define("loss/kl", "", "mean", "k3 KL to the reference policy under the chosen aggregation (before kl_coef)")
-LOSS_TOTAL = _define("loss/total", "", "mean", "loss/policy + kl_coef * loss/kl")
-LOSS_SFT = _define("loss/sft", "nats", "mean", "teacher-forced cross-entropy per completion token")
-POLICY_ENTROPY = _define("policy/entropy", "nats", "mean", "token-mean entropy of the trained policy (at temperature)")
-POLICY_CLIP_FRAC = _define(
-    "policy/clip_frac", "", "mean", "fraction of completion tokens whose gradient the ratio clip zeroed")
-POLICY_GRAD_NORM = _define("policy/grad_norm", "", "mean", "global gradient norm before clipping")
-OPTIM_LR = _define("optim/lr", "", "mean", "learning rate of this step's update(s)")
-
-# --- completions
-COMPLETION_LEN_MEAN = _define("completion/len_mean", "tokens", "mean", "mean completion length incl. EOS")
-COMPLETION_LEN_MAX = _define("completion/len_max", "tokens", "max", "longest completion")
-COMPLETION_CLIPPED_FRAC = _define(
-    "completion/clipped_frac", "", "mean", "fraction of completions cut at max_new_tokens without EOS")
-
-# --- DA only
-DA_STALENESS = _define("da/staleness", "steps", "max", "policy versions between sampling and training (<= 1)")
-DA_ROLLOUT_IDLE = _define("da/rollout_idle", "s", "mean", "rollout hosts waiting for new weights")
-DA_TRAIN_IDLE = _define("da/train_idle", "s", "mean", "train hosts waiting for a rollout batch")
-
-
-# --- held-out evaluation (locojax.evaluate). Hosts evaluate disjoint shards of the held-out prompts;
-# their counts are summed and the ratios recomputed from the sums, never averaged. Recorded in step
-# t's record they describe the policy step t started from (t updates applied); the evaluation after
-# the last step is a record of its own at step = steps.
-EVAL_PROMPTS = _define("eval/prompts", "prompts", "sum", "held-out prompts evaluated")
-EVAL_CORRECT = _define("eval/correct", "prompts", "sum", "held-out prompts the greedy completion answers right")
-EVAL_PASS_CORRECT = _define(
-    "eval/pass@k_correct", "prompts", "sum", "held-out prompts with a right answer among the k attempts")
-EVAL_ACCURACY = _define("eval/accuracy", "", "ratio", "eval/correct / eval/prompts: greedy accuracy")
-EVAL_PASS_AT_K = _define(
-    "eval/pass@k", "", "ratio", "eval/pass@k_correct / eval/prompts: right in at least one of k attempts "
-    "(the greedy completion and k-1 samples at eval.temperature)")
-EVAL_TIME = _define("time/eval", "s", "max", "wall time of one evaluation (outside time/step)")
-RATIO_PARTS[EVAL_ACCURACY] = (EVAL_CORRECT, EVAL_PROMPTS)
-RATIO_PARTS[EVAL_PASS_AT_K] = (EVAL_PASS_CORRECT, EVAL_PROMPTS)
-
-
-def across_hosts(name: str) -> Aggregation:
-    """How metric `name` aggregates across hosts; unknown names (e.g. reward/<fn>/mean) use the mean."""
-    info = METRICS.get(name)
-    return info.across_hosts if info else "mean"
+from locojax.contract import (  # the names are defined once, in the jax-free contract
+    ALL_HOSTS, Aggregation, COMPLETION_CLIPPED_FRAC, COMPLETION_LEN_MAX, COMPLETION_LEN_MEAN, DA_ROLLOUT_IDLE,
+    DA_STALENESS, DA_TRAIN_IDLE, EVAL_ACCURACY, EVAL_CORRECT, EVAL_PASS_AT_K, EVAL_PASS_CORRECT, EVAL_PROMPTS,
+    EVAL_TIME, METRICS, RATIO_PARTS, Host, JsonlSink, LOSS_KL, LOSS_POLICY, LOSS_SFT, LOSS_TOTAL, MetricInfo, OPTIM_LR,
+    POLICY_CLIP_FRAC, POLICY_ENTROPY, POLICY_GRAD_NORM, REWARD_FN_MEAN_PATTERN, REWARD_FRAC_ZERO_STD,
+    REWARD_MEAN, REWARD_STD, Split, THROUGHPUT_ROLLOUT_TOKENS, THROUGHPUT_TRAIN_TOKENS, TIME_ADVANTAGE,
+    TIME_CHECKPOINT, TIME_DEVICE, TIME_HOST, TIME_NETWORK, TIME_REWARD, TIME_ROLLOUT, TIME_STEP, TIME_TRAIN,
+    TIME_WEIGHT_SYNC, across_hosts, read_jsonl, reward_fn_mean,
+)
+from locojax.contract import SC_WORKER_SAMPLE, SC_WORKER_TRAIN  # noqa: F401  (SC's worker rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,13 +137,21 @@ class PhaseTimer:
         return self.phase(name, split="network")
 
     def last_phase(self, name: str) -> float:
-        """Seconds recorded so far in this step for phase `name` (0 if it has not run)."""
-        return self._phases.get(name, 0.0)
-
-    def last_phase(self, name: str) -> float:
         """Seconds recorded under phase `name` in the current (or, after it, the last) step so far;
         0.0 if it was not entered. For per-phase rates inside a step, e.g. rollout tokens/s."""
         return self._phases.get(name, 0.0)
+
+    def clock(self) -> float:
+        return self._clock()
+
+    def credit_wait(self, wait_s: float, device_s: float) -> None:
+        """A wait on other processes that measured their own device time (SC's controller on its
+        workers): `device_s` of the wait counts as device, the rest as network. Inside another split
+        span it is that span's time already."""
+        if self._split_depth == 0:
+            device_s = min(max(device_s, 0.0), wait_s)
+            self._split["device"] += device_s
+            self._split["network"] += wait_s - device_s
 
     def metrics(self) -> dict[str, float]:
         """time/* of the last finished step."""
@@ -337,35 +248,6 @@ class MetricSink(Protocol):
     def write(self, step: int, host: Host, metrics: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _json_value(value: Any) -> Any:
-    value = float(value)
-    return value if math.isfinite(value) else None  # JSON has no NaN/inf
-
-
-class JsonlSink:
-    """One flat JSON object per line: {"step": 3, "host": 0, "time/step": ..., ...}; non-finite
-    values are written as null. The placement calibration reads exactly this format."""
-
-    def __init__(self, path: str | Path, *, append: bool = True):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a" if append else "w", encoding="utf-8")
-
-    def write(self, step: int, host: Host, metrics: Mapping[str, float]) -> None:
-        record = {"step": int(step), "host": host, **{k: _json_value(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()  # a killed run keeps every finished step
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 class ConsoleSink:

@@ -25,7 +25,10 @@ import numpy as np
 from flax import nnx
 
 from locojax import metrics as m
+from locojax.contract import EXPORT_DIR, EngineStatus, HostStatus
+from locojax.modes.common import TrainerSession, prepare_trainer
 from locojax.rollout import encode_prompts
+from locojax.runner import StepOutput, checkpoint_dir, output_dir, run
 from locojax.spec import RunSpec
 from locojax.tasks import Example, global_batch
 from locojax.tokenizer import Tokenizer
@@ -33,13 +36,10 @@ from locojax.tokenizer import Tokenizer
 # SFT reads a different data stream from GRPO's with the same seed, so the RL prompts of a run that
 # starts from this model are not the ones it was taught the answers of, in the same order.
 SFT_DATA_SEED_OFFSET = 7919
-EXPORT_DIR = "model"
 
 
 def export_dir(spec: RunSpec) -> Path:
     """Where an SFT run writes the HF directory a GRPO spec's `model.checkpoint` can name."""
-    from locojax.modes.run_files import output_dir
-
     return output_dir(spec) / EXPORT_DIR
 
 
@@ -62,67 +62,52 @@ def sft_examples(task, spec: RunSpec, step: int) -> list[Example]:
     return global_batch(task, spec.seed + SFT_DATA_SEED_OFFSET, step, spec.rollout.prompts_per_step)
 
 
-def run_sft(
-    spec: RunSpec,
-    *,
-    resume: bool = False,
-    console: bool = True,
-    cancel_file: str | Path | None = None,
-    extra_sinks: Sequence[m.MetricSink] = (),
-):
-    """Run (or resume) an SFT run in this process; exports `<output_dir>/model` when it completes."""
-    from locojax.model.hf import save_hf_checkpoint
-    from locojax.modes.run_files import HostStatus, RunResult, cancel_requested, finish, make_logger, start_output
-    from locojax.modes.common import prepare_trainer
+class SFTSession(TrainerSession):
+    """An SFT run in this process: one teacher-forced update per step."""
 
-    if spec.kind != "sft":
-        raise ValueError(f"run_sft needs a spec with kind 'sft', got {spec.kind!r}")
-    if jax.process_count() != 1:
-        raise ValueError("an SFT run is single-host (placement.hosts 1); start it with `locojax train` or "
-                         "`locojax host` without --num-processes")
-    out = start_output(spec, 0)
-    trainer = prepare_trainer(spec, jax.local_devices(), out / "checkpoints", resume)
-    tokenizer = trainer.policy.tokenizer
-    logger = make_logger(spec, out, 0, trainer.start_step, console, extra_sinks)
-    timer = m.PhaseTimer()
-    where = HostStatus(out, 0)
-    status, steps_done, combined = "succeeded", trainer.start_step, {}
-    try:
-        for step in range(trainer.start_step, spec.steps):
-            with timer.step():
-                where(step, "train")
-                with timer.phase(m.TIME_TRAIN):
-                    # Building the batch is host work (tokenising); only the step is device time.
-                    rows = reference_batch(sft_examples(trainer.task, spec, step), tokenizer,
-                                           spec.rollout.max_prompt_tokens, spec.rollout.max_new_tokens)
-                    with timer.device() as span:
-                        trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch(rows))
-                        span.ready(trainer.state)
-                where(step, "checkpoint")
-                with timer.phase(m.TIME_CHECKPOINT):
-                    trainer.checkpoint(spec, force=step + 1 == spec.steps)
-                where(step, "metrics")
-                record = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-            record.update(timer.metrics())
-            train_tokens = int(rows["prompt_mask"].sum() + rows["completion_mask"].sum())
-            record[m.THROUGHPUT_TRAIN_TOKENS] = m.throughput(train_tokens, record.get(m.TIME_TRAIN, 0.0))
-            combined = logger.log_hosts(step, [record])
-            steps_done = step + 1
-            if cancel_requested(cancel_file) and steps_done < spec.steps:
-                status = "cancelled"
-                trainer.checkpoint(spec, force=True)
-                break
-        trainer.checkpoints.wait_until_finished()
-        if status == "succeeded":
+    # A cancel that arrives during the last step lets the run finish: the model is complete.
+    last_step_ignores_cancel = True
+
+    def __init__(self, spec: RunSpec, *, resume: bool = False):
+        if spec.kind != "sft":
+            raise ValueError(f"run_sft needs a spec with kind 'sft', got {spec.kind!r}")
+        if jax.process_count() != 1:
+            raise ValueError("an SFT run is single-host (placement.hosts 1); start it with `locojax train` or "
+                             "`locojax host` without --num-processes")
+        super().__init__(spec, prepare_trainer(spec, jax.local_devices(), checkpoint_dir(spec), resume))
+
+    def step(self, step: int, timer: m.PhaseTimer, where: HostStatus) -> StepOutput:
+        spec, trainer = self.spec, self.trainer
+        where(step, "train")
+        with timer.phase(m.TIME_TRAIN):
+            # Building the batch is host work (tokenising); only the step is device time.
+            rows = reference_batch(sft_examples(trainer.task, spec, step), trainer.policy.tokenizer,
+                                   spec.rollout.max_prompt_tokens, spec.rollout.max_new_tokens)
+            with timer.device() as span:
+                trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch(rows))
+                span.ready(trainer.state)
+        return StepOutput(train_metrics, int(rows["prompt_mask"].sum() + rows["completion_mask"].sum()))
+
+    def finish(self, status: EngineStatus, steps_done: int, where: HostStatus) -> int | None:
+        last = super().finish(status, steps_done, where)
+        if status is EngineStatus.SUCCEEDED:
             # Only a finished run exports: a GRPO run queued behind it must not start from half a warm start.
             where(steps_done, "export")
-            # Written aside and renamed, so `model/` is either absent or complete.
-            final, partial = export_dir(spec), export_dir(spec).with_name(EXPORT_DIR + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            save_hf_checkpoint(nnx.merge(trainer.policy.graphdef, trainer.state.params), partial)
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
-    finally:
-        logger.close()
-        trainer.checkpoints.close()
-    return finish(out, 0, RunResult(status, steps_done, trainer.checkpoints.latest_step(), combined))
+            export_model(self.spec, self.trainer)
+        return last
+
+
+def export_model(spec: RunSpec, trainer) -> None:
+    """Write `<output_dir>/model` aside and rename it, so `model/` is either absent or complete."""
+    from locojax.model.hf import save_hf_checkpoint
+
+    final, partial = export_dir(spec), export_dir(spec).with_name(EXPORT_DIR + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_hf_checkpoint(nnx.merge(trainer.policy.graphdef, trainer.state.params), partial)
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+
+
+def run_sft(spec: RunSpec, **options):
+    """Run (or resume) an SFT run in this process; exports `<output_dir>/model` when it completes."""
+    return run(spec, SFTSession, **options)

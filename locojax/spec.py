@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from locojax.modes import KIND_MODES, spec_mode
 
 Mode = Literal["co", "da", "sc"]
 # Tasks read from a local file (task.path); the others are generated from an index.
@@ -31,7 +33,12 @@ class ModelSpec(_Strict):
         description="local HF directory (config.json + safetensors) or Orbax checkpoint directory to start from",
     )
     tokenizer: str | None = Field(None, max_length=4096, description="local tokenizer.json; default: byte-level")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="parameters and matmul compute (norms and softmax stay float32); float32 on CPU")
+    remat: Literal["none", "full"] = Field(
+        "none", description="activation rematerialisation in training: none keeps every layer's activations "
+        "for the backward pass, full keeps each layer's input only and recomputes the layer (less memory, "
+        "about a third more FLOPs); see locojax.placement.memory")
 
     @field_validator("preset")
     @classmethod
@@ -76,6 +83,8 @@ class AlgoSpec(_Strict):
     clip_eps: float = Field(0.2, ge=0.0, le=10.0)
     clip_eps_high: float | None = Field(0.28, ge=0.0, le=10.0)
     kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    loss: Literal["grpo"] = Field("grpo", description="the policy loss (locojax.algo.POLICY_LOSSES): grpo, the "
+                                  "clipped surrogate plus kl_coef times the k3 KL")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     num_iterations: int = Field(1, ge=1, le=64)
     micro_batch_size: int | None = Field(None, ge=1, le=65536, description=(
@@ -103,20 +112,28 @@ class PlacementSpec(_Strict):
     devices_per_host: int = Field(1, ge=1, le=64)
     rollout_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="DA only: share of hosts doing rollout")
     decision_id: int | None = Field(None, ge=1, description="the placement decision this run follows")
+    # The per-host training mesh is data x fsdp x tensor, data taking the devices left over.
+    fsdp: int = Field(1, ge=1, le=64, description="devices per host the parameters, gradients and AdamW state "
+                      "are sharded over (FSDP); the batch is split over data x fsdp")
+    tensor: int = Field(1, ge=1, le=64, description="devices per host each layer's heads, MLP and vocabulary "
+                        "are split over (tensor parallelism)")
 
     @model_validator(mode="after")
-    def _da_needs_two_groups(self) -> "PlacementSpec":
-        if self.mode == "da":
-            if self.hosts < 2:
-                raise ValueError("placement.hosts must be at least 2 in DA mode (one rollout and one train host)")
-            fraction = self.rollout_fraction if self.rollout_fraction is not None else 0.5
-            rollout_hosts = round(self.hosts * fraction)
-            if not 1 <= rollout_hosts <= self.hosts - 1:
-                raise ValueError(
-                    f"placement.rollout_fraction {fraction} gives {rollout_hosts} rollout hosts of {self.hosts}; "
-                    "both groups need at least one host"
-                )
-        elif self.rollout_fraction is not None:
+    def _mesh_fits_host(self) -> "PlacementSpec":
+        if self.devices_per_host % (self.fsdp * self.tensor):
+            raise ValueError(f"placement.fsdp x placement.tensor ({self.fsdp} x {self.tensor}) must divide "
+                             f"placement.devices_per_host ({self.devices_per_host}); the rest is data parallel")
+        return self
+
+    @model_validator(mode="after")
+    def _fits_mode(self) -> "PlacementSpec":
+        from locojax.modes import MODES
+
+        mode = MODES.get(self.mode)
+        error = mode.validate_placement(self)
+        if error:
+            raise ValueError(error)
+        if self.rollout_fraction is not None and not mode.rollout_groups:
             raise ValueError("placement.rollout_fraction only applies to mode 'da'")
         return self
 
@@ -156,6 +173,14 @@ class EvalSpec(_Strict):
         "default: a seeded share of task.path held out from training"))
 
 
+class DebugSpec(_Strict):
+    """Checks for tests and debugging, off by default: they cost time inside the step."""
+
+    checksum_every: int = Field(0, ge=0, le=10_000_000, description=(
+        "report params/checksum, a device-side fingerprint of each host's parameters, at every N-th step "
+        "(step 0 included); 0: never"))
+
+
 class RunSpec(_Strict):
     name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     kind: Kind = Field(
@@ -177,13 +202,14 @@ class RunSpec(_Strict):
     output_dir: str | None = Field(None, max_length=4096, description="default: runs/<name>")
     max_restarts: int = Field(2, ge=0, le=10)
     eval: EvalSpec | None = Field(None, description="held-out evaluation; GRPO runs in CO mode only")
+    debug: DebugSpec = DebugSpec()
 
     @model_validator(mode="after")
     def _eval_where_supported(self) -> "RunSpec":
         if self.eval is None:
             return self
         # SC and DA would need their own shard plumbing; one mode that evaluates honestly beats three.
-        if self.kind != "grpo" or self.placement.mode != "co":
+        if not spec_mode(self).evaluates:
             raise ValueError(f"eval applies to GRPO runs in CO mode only (this spec: kind {self.kind!r}, "
                              f"placement.mode {self.placement.mode!r}); remove the eval block or use "
                              "`locojax eval SPEC --checkpoint DIR` on a saved model")
@@ -197,24 +223,36 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "RunSpec":
-        if self.kind == "sft":
-            if self.placement.hosts != 1:
-                raise ValueError(f"placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), "
-                                 f"got {self.placement.hosts}")
-            if self.rollout.prompts_per_step % self.placement.devices_per_host:
-                raise ValueError(
-                    f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is the SFT batch and must be "
-                    f"divisible by placement.devices_per_host ({self.placement.devices_per_host})")
-            return self
-        hosts = self.placement.hosts
-        if self.placement.mode == "da":
-            hosts = self.placement.rollout_hosts
+        mode = spec_mode(self)
+        error = mode.validate(self)
+        if error:
+            raise ValueError(error)
+        if mode.name in KIND_MODES.values():
+            return self  # a kind of its own (SFT) has no rollout groups to place
+        hosts = mode.rollout_hosts(self.placement)
         if self.rollout.prompts_per_step % hosts:
             raise ValueError(
                 f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must be divisible by the "
                 f"{hosts} host(s) that do rollout, so every group lives on one host"
             )
         return self
+
+    def unknown_names(self, reward_modules: Sequence[str]) -> list[tuple[str, str]]:
+        """(field path, message) for each task or reward name its registry does not hold, or a
+        `package.module:function` reward outside the operator's `reward_modules`. The CLI, the hosts
+        and the API all ask this, so they refuse the same specs with the same messages. (Mode,
+        advantage estimator and loss names are checked by the fields' own types above, which list
+        exactly the registries' names: a test holds them equal.)"""
+        from locojax.rewards import check_reward_names
+        from locojax.tasks import TASKS
+
+        errors = []
+        if self.task.name not in TASKS:
+            errors.append(("task.name", f"unknown task {self.task.name!r}; known: {', '.join(TASKS.names())}"))
+        rewards = {"task.reward": self.task.reward or [], "eval.reward": (self.eval.reward if self.eval else None) or []}
+        errors += [(f"{field}.{index}", message) for field, names in rewards.items()
+                   for index, message in check_reward_names(names, reward_modules)]
+        return errors
 
     def digest(self) -> str:
         """Stable hash of the normalised spec (idempotency keys compare these)."""

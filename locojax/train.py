@@ -45,8 +45,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, PartitionSpec
 
 from locojax import metrics as m
-from locojax.algo.losses import LOSS_AGGREGATIONS, grpo_objective, token_mean_weights
-from locojax.model import forward, positions_from_mask
+from locojax.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, token_mean_weights
+from locojax.model import positions_from_mask
+from locojax.placement.memory import LOGPROB_VOCAB_CHUNK
 from locojax.spec import AlgoSpec, OptimSpec
 
 Batch = Mapping[str, jax.Array]
@@ -127,6 +128,8 @@ def init_train_state(params: nnx.State, optimizer: Optimizer, seed: int | jax.Ar
 # Log-probs of completions
 
 
+
+
 def completion_logprobs_and_entropy(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -134,9 +137,13 @@ def completion_logprobs_and_entropy(
     prompt_mask: jax.Array,  # [B, P] bool
     completion_mask: jax.Array,  # [B, N] bool
     temperature: float = 1.0,
+    *,
+    remat: str = "none",
+    vocab_chunk: int = LOGPROB_VOCAB_CHUNK,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs [B, N] and entropies [B, N] of the completion under log_softmax(logits / T);
-    both 0 where completion_mask is False."""
+    both 0 where completion_mask is False. Only the completion's slots reach the head, and the head
+    runs over `vocab_chunk` vocabulary columns at a time (`chunked_logprobs_and_entropy`)."""
     if temperature <= 0:
         raise ValueError(f"log-probs need a sampling temperature > 0, got {temperature}")
     prompt_len, new_len = prompt_mask.shape[1], completion_mask.shape[1]
@@ -144,16 +151,61 @@ def completion_logprobs_and_entropy(
         raise ValueError(f"tokens has {tokens.shape[1]} slots, expected P+N = {prompt_len}+{new_len}")
     kv_mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)  # [B, P+N]
     # Slot i predicts token i+1, so completion token j is scored by slot P+j-1: only those N slots'
-    # logits are computed (the last layer, norm and head skip the rest).
-    logits, _ = forward(graphdef, params, tokens, positions_from_mask(kv_mask), kv_mask,
-                        output_slots=(prompt_len - 1, prompt_len + new_len - 1))
-    logits = logits / temperature  # [B, N, V]
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    # hidden states are computed (the last layer and norm skip the rest).
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(tokens, positions_from_mask(kv_mask), kv_mask,
+                      output_slots=(prompt_len - 1, prompt_len + new_len - 1), remat=remat, hidden_only=True)
     # Pads after EOS may hold any id; point them at 0 so the gather stays in range.
     targets = jnp.where(completion_mask, tokens[:, prompt_len:], 0)  # [B, N]
-    token_logp = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    token_logp, entropy = chunked_logprobs_and_entropy(hidden, model.head_rows(), targets, temperature, vocab_chunk)
     return jnp.where(completion_mask, token_logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
+
+
+def chunked_logprobs_and_entropy(
+    hidden: jax.Array,  # [B, N, D] final-normed hidden states
+    head_rows: jax.Array,  # [V, D] output projection rows
+    targets: jax.Array,  # [B, N] int32
+    temperature: float,
+    vocab_chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+    """log_softmax(hidden @ head_rows.T / T)[targets] and the entropy, without [B, N, V] logits.
+
+    An online log-sum-exp over vocabulary chunks (running max m, sum s = sum exp(l - m) and
+    t = sum exp(l - m) * l give logsumexp = m + log s and entropy = logsumexp - t / s). Each chunk is
+    rematerialised, so the backward pass recomputes its logits instead of keeping them. The last
+    chunk starts at V - C and masks the columns an earlier chunk already counted, so V need not be a
+    multiple of C (Qwen3's 151,936 = 2^7 x 1187 has no useful divisor)."""
+    vocab = head_rows.shape[0]
+    chunk = min(vocab_chunk, vocab)
+    num_chunks = -(-vocab // chunk)
+    dt = hidden.dtype
+    # The target's logit straight from its row: [B, N, D] . [B, N, D].
+    target_logit = jnp.einsum("bnd,bnd->bn", hidden.astype(jnp.float32),
+                              jnp.take(head_rows, targets, axis=0).astype(dt).astype(jnp.float32)) / temperature
+
+    @jax.checkpoint
+    def chunk_stats(carry, index):
+        running_max, exp_sum, weighted_sum = carry
+        start = jnp.minimum(index * chunk, vocab - chunk)
+        rows = jax.lax.dynamic_slice_in_dim(head_rows, start, chunk, axis=0).astype(dt)  # [C, D]
+        logits = jnp.einsum("bnd,cd->bnc", hidden, rows).astype(jnp.float32) / temperature  # [B, N, C]
+        fresh = (start + jnp.arange(chunk)) >= index * chunk  # columns no earlier chunk counted
+        logits_masked = jnp.where(fresh, logits, -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(logits_masked, axis=-1))
+        scale = jnp.exp(running_max - new_max)
+        weights = jnp.exp(logits_masked - new_max[..., None])
+        exp_sum = exp_sum * scale + jnp.sum(weights, axis=-1)
+        weighted_sum = weighted_sum * scale + jnp.sum(jnp.where(fresh, weights * logits, 0.0), axis=-1)
+        return (new_max, exp_sum, weighted_sum), None
+
+    shape = target_logit.shape
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    if num_chunks == 1:
+        (running_max, exp_sum, weighted_sum), _ = chunk_stats(init, 0)
+    else:
+        (running_max, exp_sum, weighted_sum), _ = jax.lax.scan(chunk_stats, init, jnp.arange(num_chunks))
+    log_normaliser = running_max + jnp.log(exp_sum)
+    return target_logit - log_normaliser, log_normaliser - weighted_sum / exp_sum
 
 
 def sequence_logprobs(
@@ -304,6 +356,7 @@ def make_train_step(
     *,
     temperature: float = 1.0,
     mesh: Mesh | None = None,
+    remat: str = "none",
     jit: bool = True,
     compiler_options: CompilerOptions = None,
 ) -> StepFn:
@@ -317,7 +370,8 @@ def make_train_step(
     `algo.micro_batch_size` counts sequences of the global batch; under data parallelism make it a
     multiple of the `data` mesh axis size so each micro-batch splits evenly over the devices.
     `mesh`: the mesh the batch is sharded on; pass it to get one packed gradient all-reduce per step
-    (`packed_data_parallel_grads`).
+    (`packed_data_parallel_grads`). `remat`: the model's activation rematerialisation (RunSpec
+    model.remat).
     The state is donated when jitted: hold no other reference to its arrays (e.g. copy the initial
     params before using them as the frozen KL reference).
     """
@@ -328,6 +382,7 @@ def make_train_step(
     if temperature <= 0:
         raise ValueError(f"training needs the sampling temperature > 0, got {temperature}")
     loss_weights_fn = LOSS_AGGREGATIONS.get(algo.loss_agg)
+    policy_loss = POLICY_LOSSES.get(algo.loss)
     clip_low = algo.clip_eps
     clip_high = algo.clip_eps if algo.clip_eps_high is None else algo.clip_eps_high
     use_kl = algo.kl_coef > 0.0
@@ -336,8 +391,8 @@ def make_train_step(
 
     def loss_fn(params, mb):
         logp, entropy = completion_logprobs_and_entropy(
-            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], temperature)
-        return grpo_objective(
+            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], temperature, remat=remat)
+        return policy_loss(
             logp, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], mb["loss_weights"],
             mb["mean_weights"], clip_eps_low=clip_low, clip_eps_high=clip_high, kl_coef=algo.kl_coef,
             ref_logprobs=mb.get("ref_logprobs"), entropy=jax.lax.stop_gradient(entropy))
@@ -381,6 +436,7 @@ def make_sft_step(
     *,
     micro_batch_size: int | None = None,
     mesh: Mesh | None = None,
+    remat: str = "none",
     jit: bool = True,
     compiler_options: CompilerOptions = None,
 ) -> StepFn:
@@ -390,7 +446,7 @@ def make_sft_step(
 
     def loss_fn(params, mb):
         logp, _ = completion_logprobs_and_entropy(
-            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], 1.0)
+            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], 1.0, remat=remat)
         loss = -jnp.sum(mb["mean_weights"] * logp)
         return loss, {m.LOSS_SFT: loss}
 
@@ -414,7 +470,8 @@ def tokens_in_batch(batch: Batch) -> int:
 
 
 __all__ = [
-    "Batch", "CompilerOptions", "Metrics", "Optimizer", "StepFn", "TrainState", "completion_logprobs_and_entropy",
+    "Batch", "CompilerOptions", "LOGPROB_VOCAB_CHUNK", "Metrics", "Optimizer", "StepFn", "TrainState",
+    "chunked_logprobs_and_entropy", "completion_logprobs_and_entropy",
     "init_train_state", "lr_schedule", "make_logprobs_fn", "make_optimizer", "make_sft_step",
     "make_train_step", "packed_data_parallel_grads", "sequence_logprobs", "split_params", "tokens_in_batch",
 ]

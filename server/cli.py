@@ -1,7 +1,7 @@
 """Control-plane commands, joined to `locojax` through the `locojax.commands` entry point:
 
   locojax serve                    run the API (embedded: SQLite, migrated at start, admin token on first start)
-  locojax token create --scope S   print a new token once (scopes: submit, worker, admin)
+  locojax token create --scope S   print a new token once (scopes: submit, worker, admin; worker tokens need --hosts NAME or PREFIX*)
   locojax token ls | revoke ID     list tokens (never their secrets) / revoke one
   locojax db upgrade               alembic upgrade head
 
@@ -74,16 +74,24 @@ def token_create(
     scope: Annotated[list[str], typer.Option("--scope", "-s", help="submit, worker or admin; repeat for several")],
     name: Annotated[str | None, typer.Option(help="a label to recognise the token by")] = None,
     expires_in_days: Annotated[float | None, typer.Option(min=0.0, help="expiry; default: never")] = None,
+    hosts: Annotated[str | None, typer.Option(help="worker tokens: the host name, or a name prefix ending in '*', "
+                                                   "this token may act as")] = None,
 ) -> None:
     """Create a token and print it once (stdout, nothing else there, so `$(locojax token create ...)` works)."""
+    from server.errors import InvalidInputError
     from server.services import tokens
 
     db = _database(get_settings())
     try:
         with db.write_session() as session:
             row, secret = tokens.create(session, name=name or "-".join(sorted(set(scope))), scopes=scope,
-                                        expires_in_s=expires_in_days * 86400 if expires_in_days else None)
-            typer.echo(f"token {row.id} ({row.name}, scopes: {row.scopes}) created; it is shown only now:", err=True)
+                                        expires_in_s=expires_in_days * 86400 if expires_in_days else None,
+                                        hosts=hosts)
+            bound = f", hosts: {row.hosts}" if row.hosts else ""
+            typer.echo(f"token {row.id} ({row.name}, scopes: {row.scopes}{bound}) created; it is shown only now:",
+                       err=True)
+    except InvalidInputError as exc:
+        raise typer.BadParameter(exc.message, param_hint="--hosts") from None
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--scope") from None
     finally:

@@ -22,14 +22,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
+from locojax import contract as c
 from locojax.client import TERMINAL, ApiClient
 from server.settings import Settings
 
 TOKEN_TTL_S = 7 * 86400
+LOCAL_HOST_PREFIX = "local"  # the workers of `locojax up` are local0, local1, ...; their token is bound to local*
 
 
 @dataclass
@@ -100,8 +102,11 @@ def _wait_for(what: str, check: Any, timeout_s: float, processes: dict[str, subp
 
 
 def start(settings: Settings, *, hosts: int, port: int, devices_per_host: int = 1,
-          extra_env: dict[str, str] | None = None, startup_timeout_s: float = 120.0) -> ControlPlane:
-    """Start the API and `hosts` workers; return once every worker has registered."""
+          extra_env: dict[str, str] | None = None, startup_timeout_s: float = 120.0, api_host: str = "127.0.0.1",
+          worker_prefixes: Sequence[Sequence[str]] = (), worker_addresses: Sequence[str] = ()) -> ControlPlane:
+    """Start the API (listening on `api_host`) and `hosts` workers; return once every worker has
+    registered. Worker i's command may be run through `worker_prefixes[i]` (e.g. `ip netns exec NS`,
+    a host in a network namespace of its own) and advertise `worker_addresses[i]` to its peers."""
     from locojax.launch import cores_for_host
     from server.db import Database, upgrade_to_head
     from server.services import tokens
@@ -112,19 +117,20 @@ def start(settings: Settings, *, hosts: int, port: int, devices_per_host: int = 
         with db.write_session() as session:
             tokens.ensure_admin(session)  # so `serve` does not print a second bootstrap token
             _, admin = tokens.create(session, name="locojax-up", scopes=["admin"], expires_in_s=TOKEN_TTL_S)
-            _, worker = tokens.create(session, name="locojax-up-workers", scopes=["worker"], expires_in_s=TOKEN_TTL_S)
+            _, worker = tokens.create(session, name="locojax-up-workers", scopes=["worker"], expires_in_s=TOKEN_TTL_S,
+                                      hosts=f"{LOCAL_HOST_PREFIX}*")
     finally:
         db.dispose()
 
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{api_host}:{port}"
     # The children see exactly these settings (tests pass short timeouts and other databases this way).
     env = settings.as_environment(LOCOJAX_URL=url, PYTHONUNBUFFERED="1", **(extra_env or {}))
     logs = Path(settings.home) / "logs"
-    names = [f"local{i}" for i in range(hosts)]
+    names = [f"{LOCAL_HOST_PREFIX}{i}" for i in range(hosts)]
     plane = ControlPlane(settings, url, admin, worker, names)
     cli = [sys.executable, "-m", "locojax.cli"]
     try:
-        plane.processes["api"] = _spawn(cli + ["serve", "--host", "127.0.0.1", "--port", str(port)], env,
+        plane.processes["api"] = _spawn(cli + ["serve", "--host", api_host, "--port", str(port)], env,
                                         logs / "api.log")
         with plane.client() as client:
             _wait_for("the API", lambda: client._http.get("/readyz").status_code == 200, startup_timeout_s,
@@ -132,9 +138,11 @@ def start(settings: Settings, *, hosts: int, port: int, devices_per_host: int = 
             worker_env = {**env, "LOCOJAX_TOKEN": worker}
             for index, name in enumerate(names):
                 cores = ",".join(map(str, cores_for_host(index, hosts)))
+                prefix = list(worker_prefixes[index]) if worker_prefixes else []
+                address = ["--address", worker_addresses[index]] if worker_addresses else []
                 plane.processes[name] = _spawn(
-                    cli + ["worker", "--name", name, "--cores", cores, "--devices", str(devices_per_host)],
-                    worker_env, logs / f"worker-{name}.log")
+                    prefix + cli + ["worker", "--name", name, "--cores", cores, "--devices", str(devices_per_host)]
+                    + address, worker_env, logs / f"worker-{name}.log")
 
             def registered() -> bool:
                 online = {h["name"] for h in client.request("GET", "/api/v1/hosts")["data"] if h["status"] == "ONLINE"}
@@ -166,26 +174,33 @@ def wait_for_run(client: ApiClient, run_id: int, *, on_progress: Any = None, pol
 def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, out: Path | None = None) -> None:
     """Submit the demo through the REST API and follow it: SFT warm start, then GRPO from its checkpoint.
 
-    Each demo writes a directory of its own under the runs root: a second `make demo` must not find
-    (and relay, or resume from) the first one's metrics and checkpoints.
+    The server gives each run its own directory (runs_root/<id>-<name>), so a second `make demo` never
+    finds (and relays, or resumes from) the first one's metrics and checkpoints; the GRPO run starts
+    from the model the SFT run exported into its directory. The reward plot goes to `out`.
     """
     from locojax.demo import demo_specs, eval_summary, reward_summary
+    from locojax.sft import EXPORT_DIR
 
     out = out or Path(plane.settings.runs_root) / time.strftime("demo-%Y%m%d-%H%M%S")
     sft_spec, grpo_spec = demo_specs(out)
+    run_dir = Path(plane.settings.runs_root)
     with plane.client() as client:
         for spec in (sft_spec, grpo_spec):
-            run = client.submit(spec.model_dump(mode="json"))
+            body = spec.model_dump(mode="json")
+            body["output_dir"] = None  # the server chooses run directories
+            if spec is grpo_spec:
+                body["model"]["checkpoint"] = str(run_dir / f"{final['id']}-{sft_spec.name}" / EXPORT_DIR)
+            run = client.submit(body)
             echo(f"submitted run {run['id']} ({spec.name}, {spec.kind}, {spec.steps} steps): "
                  f"{plane.url}/runs/{run['id']}")
             started = time.monotonic()
 
             def progress(run: dict[str, Any], summary: dict[str, Any]) -> None:
                 values = {key: item["value"] for key, item in summary["values"].items()}
-                shown = "  ".join(f"{key} {values[key]:.3f}" for key in ("loss/sft", "reward/mean", "time/step")
+                shown = "  ".join(f"{key} {values[key]:.3f}" for key in (c.LOSS_SFT, c.REWARD_MEAN, c.TIME_STEP)
                                   if key in values)
                 # The newest step a step time was recorded for: the final evaluation's record is at step = steps.
-                step = summary["values"].get("time/step", {}).get("step", summary["last_step"])
+                step = summary["values"].get(c.TIME_STEP, {}).get("step", summary["last_step"])
                 echo(f"  run {run['id']} step {step + 1}/{spec.steps}  {shown}  "
                      f"[{time.monotonic() - started:.0f} s]")
 
@@ -193,12 +208,12 @@ def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, o
             if final["status"] != "SUCCEEDED":
                 echo(f"run {run['id']} ended {final['status']}: {final.get('status_reason')}")
                 return
-        keys = ["reward/mean", "eval/accuracy", "eval/pass@k"]
+        keys = [c.REWARD_MEAN, c.EVAL_ACCURACY, c.EVAL_PASS_AT_K]
         history = {series["key"]: series for series in
                    client.metric_history(final["id"], keys, max_points=10_000)["series"]}
-        rewards = history["reward/mean"]["last"] if "reward/mean" in history else []
-        echo(reward_summary(rewards, out / "reward.png", Path(grpo_spec.output_dir or out) / "metrics.jsonl"))
-        accuracy, pass_at_k = history.get("eval/accuracy"), history.get("eval/pass@k")
+        rewards = history[c.REWARD_MEAN]["last"] if c.REWARD_MEAN in history else []
+        echo(reward_summary(rewards, out / "reward.png", run_dir / f"{final['id']}-{grpo_spec.name}" / c.METRICS_FILE))
+        accuracy, pass_at_k = history.get(c.EVAL_ACCURACY), history.get(c.EVAL_PASS_AT_K)
         if accuracy and pass_at_k:
             echo(eval_summary(accuracy["steps"], accuracy["last"], pass_at_k["last"], grpo_spec.eval.k))
         else:

@@ -31,6 +31,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from locojax import contract
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -61,22 +63,9 @@ BigId = BigInteger().with_variant(Integer(), "sqlite")
 JsonDoc = JSON().with_variant(JSONB(), "postgresql")
 
 
-class RunStatus(str, enum.Enum):
-    QUEUED = "QUEUED"
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    CANCELLING = "CANCELLING"
-    RECOVERING = "RECOVERING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-
-TERMINAL_STATES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+# The run statuses are the contract's; the control plane stores them (re-exported for its modules).
+RunStatus = contract.RunStatus
+TERMINAL_STATES = contract.TERMINAL_STATES
 
 
 class HostRole(str, enum.Enum):
@@ -84,15 +73,10 @@ class HostRole(str, enum.Enum):
     ROLLOUT = "rollout"  # DA rollout group
     TRAIN = "train"  # DA train group
     CONTROLLER = "controller"  # SC controller, or the DA driver
+    WORKER = "worker"  # SC: one per reserved host, samples and trains its host's share as the controller says
 
 
-class HostProcessStatus(str, enum.Enum):
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    EXITED = "EXITED"  # exit code 0
-    FAILED = "FAILED"  # non-zero exit code or signal
-    KILLED = "KILLED"  # stopped on purpose (cancel, recovery of the group)
-    LOST = "LOST"  # its host stopped heartbeating
+HostProcessStatus = contract.HostProcessStatus  # what a worker reports about its engine process
 
 
 ENDED_PROCESS_STATES = frozenset({HostProcessStatus.EXITED, HostProcessStatus.FAILED, HostProcessStatus.KILLED,
@@ -148,7 +132,8 @@ class PlacementDecision(Base):
 
 class Run(Base):
     __tablename__ = "runs"
-    __table_args__ = (Index(None, "status", "id"),)
+    # Idempotency keys are scoped to the token that used them: another token's key is another request.
+    __table_args__ = (Index(None, "status", "id"), UniqueConstraint("owner_token_id", "idempotency_key"))
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(128), index=True)
@@ -164,12 +149,16 @@ class Run(Base):
     max_restarts: Mapped[int]
     attempt: Mapped[int] = mapped_column(default=0)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
-    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
     decision_id: Mapped[int | None] = mapped_column(
         ForeignKey("placement_decisions.id", ondelete="SET NULL"), index=True)
     created_by: Mapped[str | None] = mapped_column(String(128))
+    # Who may cancel, resume or delete the run (besides admins); token names are not unique, ids are.
+    owner_token_id: Mapped[int | None] = mapped_column(ForeignKey("api_tokens.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # When the run last entered QUEUED (submit, requeue, resume): the backfill wait counts from here.
+    queued_since: Mapped[datetime | None]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     last_checkpoint_step: Mapped[int | None]
@@ -177,6 +166,8 @@ class Run(Base):
     # Scheduler bookkeeping: when the current attempt's host group was sent out; a run requeued after a
     # failed start is not tried again before `not_before` (exponential backoff on `dispatch_failures`).
     dispatched_at: Mapped[datetime | None]
+    # The current attempt's shared secret (StartHostMessage.secret); not part of any API response.
+    attempt_secret: Mapped[str | None] = mapped_column(String(64), nullable=True)
     not_before: Mapped[datetime | None]
     dispatch_failures: Mapped[int] = mapped_column(default=0, server_default="0")
 
@@ -222,6 +213,11 @@ class Host(Base):
     info: Mapped[dict[str, Any]] = mapped_column(default=dict)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
+    # A host whose start messages went unanswered until the start timeout (a fake or broken worker: it
+    # heartbeats but takes no work) is not reserved before `not_before` (doubling per failure), so it
+    # cannot keep attracting runs; taking up a process clears both.
+    start_failures: Mapped[int] = mapped_column(default=0, server_default="0")
+    not_before: Mapped[datetime | None]
 
 
 # Aggregated rows (over all hosts of a step) use this host value; 0..N-1 are process indices. An int
@@ -329,6 +325,8 @@ class ApiToken(Base):
     prefix: Mapped[str] = mapped_column(String(16))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     scopes: Mapped[str] = mapped_column(String(64))  # space-separated, as in OAuth
+    # Worker tokens only: the host this token may act as, by exact name or by a `prefix*` pattern.
+    hosts: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]

@@ -25,6 +25,14 @@ class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+# Every worker report names the run attempt it belongs to; one of an older attempt is a 409 (issue 17).
+Attempt = Annotated[int, Field(ge=0, le=2**31 - 1, description="the run attempt this report belongs to; "
+                                                               "a stale one is refused (409 STALE_ATTEMPT)")]
+ReporterHost = Annotated[str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                           description="the host reporting (a worker token bound to a prefix "
+                                                       "says which of its hosts it is)")]
+
+
 # --- errors -----------------------------------------------------------------------------------------
 
 class ErrorBody(BaseModel):
@@ -56,6 +64,8 @@ class RunPublic(_Out):
     cancel_requested: bool
     decision_id: int | None
     created_by: str | None
+    owner_token_id: int | None = Field(None, description="the token that submitted the run: it (or an admin) "
+                                                         "may cancel, resume or delete it")
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None
@@ -81,13 +91,15 @@ class RunTransition(_In):
 
 class CheckpointReport(_In):
     step: int = Field(ge=0, le=2**31 - 1)
+    attempt: Attempt
+    host_name: ReporterHost = None
 
 
 class RunHostUpsert(_In):
     host_name: str = Field(min_length=1, max_length=128)
     role: HostRole
     status: HostProcessStatus
-    attempt: int | None = Field(None, ge=0, le=2**31 - 1, description="default: the run's current attempt")
+    attempt: Attempt
     pid: int | None = Field(None, ge=0, le=2**31 - 1)
     started_at: datetime | None = None
     ended_at: datetime | None = None
@@ -145,6 +157,8 @@ class MetricRow(_In):
 
 class MetricsBatch(_In):
     rows: list[MetricRow] = Field(min_length=1, max_length=100_000)
+    attempt: Attempt
+    host_name: ReporterHost = None
 
 
 class IngestResult(BaseModel):
@@ -211,13 +225,15 @@ EventLevel = Literal["debug", "info", "warning", "error"]
 class EventCreate(_In):
     message: str = Field(max_length=65536)
     level: EventLevel = "info"
-    source: str = Field("worker", min_length=1, max_length=64)
-    ts: datetime | None = Field(None, description="when it happened; default: when the server received it")
+    # No `source` or `ts`: the server sets both (the reporting host process, and when it arrived), so a
+    # worker cannot post events in another host's (or the scheduler's) name or back-date them.
     seq: int | None = Field(None, ge=0, le=2**62, description="per-source sequence number; repeats are ignored")
 
 
 class EventsCreate(_In):
     events: list[EventCreate] = Field(min_length=1, max_length=10_000)
+    attempt: Attempt
+    host_name: ReporterHost = None
 
 
 class EventsAccepted(BaseModel):
@@ -380,6 +396,8 @@ class TokenCreate(_In):
     name: str = Field(min_length=1, max_length=128)
     scopes: list[Scope] = Field(min_length=1, max_length=3)
     expires_in_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
+    hosts: str | None = Field(None, min_length=1, max_length=128,
+                              description="worker tokens (required): the host name, or a `prefix*`, it acts as")
 
 
 class TokenPublic(_Out):
@@ -387,6 +405,7 @@ class TokenPublic(_Out):
     name: str
     prefix: str
     scopes: list[str]
+    hosts: str | None = None
     created_at: datetime
     expires_at: datetime | None
     revoked_at: datetime | None

@@ -35,9 +35,11 @@ class Settings(BaseSettings):
         None, description="run `alembic upgrade head` when the app starts; default: only for SQLite (embedded)"
     )
 
-    # Paths in a RunSpec are read (task.path, model.checkpoint, model.tokenizer) or written
-    # (output_dir, checkpoint.dir) by host processes; the API refuses any that leave these roots.
-    data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path(".")])
+    # Paths a RunSpec reads (task.path, model.checkpoint, model.tokenizer) must be absolute and inside
+    # these roots (or runs_root); default: <home>/data, a directory meant for data, never the server's
+    # working directory. Every run writes under runs_root/<id>-<name>, chosen by the server. Both are
+    # made absolute at start-up, so the API and the workers it starts agree on them.
+    data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     runs_root: Path = Path("runs")
     # A spec's reward may be `package.module:function` only under one of these module prefixes
     # (comma-separated, e.g. `LOCOJAX_REWARD_MODULES=mycompany.rewards,tests.locojax`). Empty: registered
@@ -76,6 +78,9 @@ class Settings(BaseSettings):
     dispatch_resend_s: float = Field(10.0, gt=0, description="start messages unanswered this long are sent again")
     kill_timeout_s: float = Field(30.0, gt=0, description="an old attempt's process still alive this long after "
                                                           "a recovery began is given up as lost")
+    backfill_wait_s: float = Field(120.0, ge=0, description="a QUEUED run that fits but finds too few free hosts lets "
+                                                          "younger runs start first for this long, then holds "
+                                                          "hosts as they free until it can start")
     requeue_backoff_s: float = Field(2.0, gt=0, description="first backoff of a requeued run; doubles per failure")
     requeue_backoff_max_s: float = Field(60.0, gt=0)
 
@@ -141,6 +146,10 @@ class Settings(BaseSettings):
             object.__setattr__(self, "database_url", "postgresql+psycopg://" + self.database_url.split("://", 1)[1])
         if not self.broker_url:
             object.__setattr__(self, "broker_url", f"sqla+sqlite:///{self.home / 'broker.db'}")
+        if not self.data_roots:
+            object.__setattr__(self, "data_roots", [self.home / "data"])
+        object.__setattr__(self, "data_roots", [Path(os.path.abspath(root)) for root in self.data_roots])
+        object.__setattr__(self, "runs_root", Path(os.path.abspath(self.runs_root)))
         if self.migrate_on_start is None:
             object.__setattr__(self, "migrate_on_start", self.is_sqlite)
         if self.host_lost_s < self.host_stale_s:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,17 +20,24 @@ DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 # or people on the same machine must neither fail these checks nor be picked as a process to kill.
 SESSION_VARIABLE = "LOCOJAX_TEST_SESSION"
 os.environ[SESSION_VARIABLE] = secrets.token_hex(8)
+# An engine started by a worker gets a minimal environment (worker/supervisor.py: engine_environment),
+# without LOCOJAX_* variables, so the marker above stops at the worker. TMPDIR is one the engine keeps,
+# and so do Ray's processes (whose session directory goes under it): a directory of this session's own
+# marks them as well.
+SESSION_TMPDIR = Path("/tmp") / f"locojax-test-{os.environ[SESSION_VARIABLE]}"
+SESSION_TMPDIR.mkdir(mode=0o711)  # others may pass through (a private PostgreSQL runs as `postgres`), not list it
+os.environ["TMPDIR"] = str(SESSION_TMPDIR)
 
 
 def session_processes(fragment: str) -> list[int]:
     """Live processes of this test session whose command line contains `fragment`."""
-    marker = f"{SESSION_VARIABLE}={os.environ[SESSION_VARIABLE]}".encode()
+    markers = {f"{SESSION_VARIABLE}={os.environ[SESSION_VARIABLE]}".encode(), f"TMPDIR={SESSION_TMPDIR}".encode()}
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+            if markers.isdisjoint((entry / "environ").read_bytes().split(b"\0")):
                 continue
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -38,6 +46,10 @@ def session_processes(fragment: str) -> list[int]:
         if fragment in command and state != "Z":  # a zombie holds nothing; its parent reaps it
             found.append(int(entry.name))
     return found
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(SESSION_TMPDIR, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

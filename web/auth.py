@@ -32,15 +32,14 @@ from typing import Annotated
 from urllib.parse import quote, urlsplit
 
 from fastapi import Depends, Request
-from sqlalchemy import delete
 from sqlalchemy.orm import Session
 from starlette.responses import Response
 
 from server.api.deps import SessionDep
 from server.errors import ApiError, ForbiddenError
 from server.models import ApiToken
-from server.models import WebSession as WebSessionRow
 from server.services import tokens as token_service
+from server.services import web_sessions as web_session_service
 from server.settings import Settings
 
 COOKIE_NAME = "locojax_session"
@@ -77,6 +76,10 @@ class Viewer:
     @property
     def can_submit(self) -> bool:
         return bool(self.scopes & {"submit", "admin"})
+
+    def may_act_on(self, run: Any) -> bool:
+        """Cancel, resume or delete `run`: its submitter or an admin (the API's rule, issue 17)."""
+        return "admin" in self.scopes or (self.can_submit and run.owner_token_id == self.token_id)
 
 
 # --- the signing key --------------------------------------------------------------------------------
@@ -147,20 +150,14 @@ def new_session(settings: Settings) -> WebSession:
                       expires_at=time.time() + settings.dashboard_session_ttl_s)
 
 
-def _session_hash(session_id: str) -> str:
-    return hashlib.sha256(session_id.encode()).hexdigest()
-
-
 def start_login(session: Session, settings: Settings, token: ApiToken) -> WebSession:
     """A fresh logged-in session for `token`, stored as a web_sessions row."""
     web_session = WebSession(csrf=secrets.token_urlsafe(32), token_id=token.id,
                              expires_at=time.time() + settings.dashboard_session_ttl_s,
                              session_id=secrets.token_urlsafe(32))
     assert web_session.session_id is not None
-    # Expired sessions are refused anyway; each login clears them away, so the table stays small.
-    session.execute(delete(WebSessionRow).where(WebSessionRow.expires_at < datetime.now(timezone.utc)))
-    session.add(WebSessionRow(id_hash=_session_hash(web_session.session_id), token_id=token.id,
-                              expires_at=datetime.fromtimestamp(web_session.expires_at, timezone.utc)))
+    web_session_service.store(session, web_session.session_id, token.id,
+                              datetime.fromtimestamp(web_session.expires_at, timezone.utc))
     return web_session
 
 
@@ -168,17 +165,13 @@ def end_login(session: Session, web_session: WebSession | None) -> None:
     """Logout: the session's row is revoked, so its cookie is refused from now on, wherever it is kept."""
     if web_session is None or web_session.session_id is None:
         return
-    row = session.get(WebSessionRow, _session_hash(web_session.session_id))
-    if row is not None and row.revoked_at is None:
-        row.revoked_at = datetime.now(timezone.utc)
+    web_session_service.revoke(session, web_session.session_id)
 
 
 def _live_login(session: Session, web_session: WebSession) -> bool:
     if web_session.session_id is None:
         return False
-    row = session.get(WebSessionRow, _session_hash(web_session.session_id))
-    return (row is not None and row.revoked_at is None and row.token_id == web_session.token_id
-            and row.expires_at > datetime.now(timezone.utc))
+    return web_session_service.is_live(session, web_session.session_id, web_session.token_id)
 
 
 def served_over_tls(request: Request, settings: Settings) -> bool:
@@ -250,7 +243,7 @@ async def current_session(request: Request) -> WebSession | None:
 
 
 def _active_token(session: Session, token_id: int) -> ApiToken | None:
-    token = session.get(ApiToken, token_id)
+    token = web_session_service.token_by_id(session, token_id)
     if token is None or not token_service.is_active(token):
         return None
     return token

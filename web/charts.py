@@ -3,9 +3,8 @@
 Charts are defined once here (title, metric keys, unit); the page, its JSON refresh endpoint and the
 comparison page all go through `chart_data`. Values come from `server.services.metrics.history`,
 downsampled in SQL to at most `dashboard_chart_points` buckets per series, each bucket carrying its
-last value and its min/max (drawn as a band). Metric names are DESIGN §6's, defined in
-`locojax/metrics.py`; they are spelled out here because that module imports JAX, which the control
-plane never loads (a test checks the two lists agree).
+last value and its min/max (drawn as a band). Metric names are DESIGN §6's, from the jax-free
+`locojax.contract`.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from locojax import contract as c
 from server.models import AGGREGATE_HOST
 from server.schemas import MetricSeries
 
@@ -29,21 +29,20 @@ class Chart:
 
 # The run page, in reading order: is it learning, is it stable, what does it cost.
 RUN_CHARTS: tuple[Chart, ...] = (
-    Chart("reward", "Reward (mean)", ("reward/mean",)),
+    Chart("reward", "Reward (mean)", (c.REWARD_MEAN,)),
     # Held-out prompts (the spec's eval block): greedy accuracy and pass@k, every eval.every steps.
-    Chart("eval", "Held-out evaluation", ("eval/accuracy", "eval/pass@k")),
-    Chart("loss", "Loss", ("loss/total", "loss/policy")),
-    Chart("kl", "KL to the reference policy", ("loss/kl",)),
-    Chart("completion", "Completion length", ("completion/len_mean",), unit="tokens"),
-    Chart("throughput", "Throughput", ("throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"),
-          unit="tokens/s"),
-    Chart("step_time", "Time per step", ("time/step",), unit="s"),
+    Chart("eval", "Held-out evaluation", (c.EVAL_ACCURACY, c.EVAL_PASS_AT_K)),
+    Chart("loss", "Loss", (c.LOSS_TOTAL, c.LOSS_POLICY)),
+    Chart("kl", "KL to the reference policy", (c.LOSS_KL,)),
+    Chart("completion", "Completion length", (c.COMPLETION_LEN_MEAN,), unit="tokens"),
+    Chart("throughput", "Throughput", (c.THROUGHPUT_ROLLOUT_TOKENS, c.THROUGHPUT_TRAIN_TOKENS), unit="tokens/s"),
+    Chart("step_time", "Time per step", (c.TIME_STEP,), unit="s"),
     # The paper's split of each step: devices busy, host orchestration while devices wait, network.
-    Chart("split", "Where each step's time went", ("time/device", "time/host", "time/network"), unit="s",
+    Chart("split", "Where each step's time went", (c.TIME_DEVICE, c.TIME_HOST, c.TIME_NETWORK), unit="s",
           stacked=True),
 )
 RUN_CHART_KEYS: tuple[str, ...] = tuple(dict.fromkeys(key for chart in RUN_CHARTS for key in chart.keys))
-STEP_TIME_KEY = "time/step"
+STEP_TIME_KEY = c.TIME_STEP
 
 
 def _compact(value: float | None) -> float | None:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
+from locojax.modes import KIND_MODES, MODES
 from locojax.spec import AlgoSpec, RunSpec, SpecError, parse_spec
 
 Kind = Literal["text", "int", "float", "select"]
@@ -62,7 +63,8 @@ def _algorithms() -> list[str]:
 
 
 def _modes() -> list[str]:
-    return ["co", "da", "sc"]
+    # A placement's modes: the registered ones, less those a spec's kind selects (SFT).
+    return [name for name in MODES if name not in KIND_MODES.values()]
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.models import AGGREGATE_HOST, Host, PlacementDecision, Run, RunEvent, RunHost, RunStatus, utcnow
+from server.models import AGGREGATE_HOST, PlacementDecision, Run, RunEvent, RunHost, RunStatus, utcnow
+from server.services import dashboard as dashboard_service
 from server.services import hosts as host_service
 from server.services import metrics as metric_service
 from server.services import runs as run_service
@@ -82,7 +82,7 @@ class HostProcessView:
 def host_processes(session: Session, run: Run, settings: Settings) -> list[HostProcessView]:
     processes = run_service.list_host_processes(session, run.id, None)
     names = {process.host_name for process in processes}
-    machines = {host.name: host for host in session.scalars(select(Host).where(Host.name.in_(names)))} if names else {}
+    machines = dashboard_service.hosts_named(session, names)
     now = utcnow()
     views = []
     for process in processes:
@@ -93,8 +93,7 @@ def host_processes(session: Session, run: Run, settings: Settings) -> list[HostP
 
 
 def events_tail(session: Session, run_id: int, limit: int = EVENTS_TAIL) -> list[RunEvent]:
-    rows = session.scalars(select(RunEvent).where(RunEvent.run_id == run_id).order_by(RunEvent.id.desc()).limit(limit))
-    return list(reversed(list(rows)))
+    return dashboard_service.events_tail(session, run_id, limit)
 
 
 def charts(session: Session, run_id: int, settings: Settings) -> list[dict[str, Any]]:
@@ -138,7 +137,7 @@ def _matching_option(decision: PlacementDecision, run: Run) -> dict[str, Any] | 
 def decision(session: Session, run: Run, latest: Latest) -> DecisionView | None:
     if run.decision_id is None:
         return None
-    found = session.get(PlacementDecision, run.decision_id)
+    found = dashboard_service.find_decision(session, run.decision_id)
     if found is None:
         return None
     option = _matching_option(found, run)

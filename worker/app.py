@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -77,12 +78,12 @@ class Heartbeat:
 def run_worker(name: str, api: ApiClient, broker_url: str, *, address: str, devices: int, cores: list[int] | None,
                heartbeat_s: float, slice_name: str | None = None, device_kind: str = "cpu",
                loglevel: str = "INFO", reward_modules: tuple[str, ...] = (), ray_address: str = "",
-               engine_env: dict[str, str] | None = None) -> None:
+               engine_env: dict[str, str] | None = None, runs_root: Path = Path("runs")) -> None:
     """Block running the worker until it is told to stop (SIGTERM/SIGINT)."""
     if cores:
         os.sched_setaffinity(0, cores)  # the engine processes it starts inherit the pinning
     context = WorkerContext(host_name=name, api=api, address=address, devices=devices, reward_modules=reward_modules,
-                            ray_address=ray_address, engine_env=engine_env or {})
+                            ray_address=ray_address, engine_env=engine_env or {}, runs_root=runs_root)
     # `instance` tells the API this is a new worker process: whatever the previous one ran is gone.
     info = {"address": address, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
             "instance": uuid.uuid4().hex}

@@ -24,6 +24,9 @@ def worker(
     reward_modules: Annotated[str, typer.Option(
         "--reward-modules", envvar="LOCOJAX_REWARD_MODULES",
         help="module prefixes custom rewards may be imported from (the API's list); engine processes check it")] = "",
+    runs_root: Annotated[str, typer.Option(
+        "--runs-root", envvar="LOCOJAX_RUNS_ROOT",
+        help="the API's runs_root as seen from this host: engine processes write only under it")] = "runs",
     ray_address: Annotated[str, typer.Option(
         "--ray-address", envvar="LOCOJAX_RAY_ADDRESS",
         help="an operator-run Ray cluster for DA runs; default: a private one per run on this host")] = "",
@@ -32,6 +35,7 @@ def worker(
     runs the scheduler places here."""
     import logging
     import os
+    from pathlib import Path
 
     from locojax.client import ApiClient
     from locojax.rewards import split_prefixes
@@ -52,7 +56,8 @@ def worker(
     with ApiClient(url, token, timeout=10.0) as api:
         run_worker(name, api, broker_url, address=address, devices=devices, cores=pinned, heartbeat_s=heartbeat_s,
                    slice_name=slice_name, device_kind=device_kind, reward_modules=split_prefixes(reward_modules),
-                   ray_address=ray_address, engine_env=engine_environment(os.environ))
+                   ray_address=ray_address, engine_env=engine_environment(os.environ),
+                   runs_root=Path(os.path.abspath(runs_root)))
 
 
 def register(app: typer.Typer) -> None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-START_HOST_TASK = "locojax.start_host"
-EXIT_CANCELLED = 3  # `locojax host`/`train` after a cooperative cancel (locojax/commands.py)
+from locojax.contract import EXIT_CANCELLED, START_HOST_TASK  # noqa: F401  (the names both sides use)
 
 
 def host_queue(host_name: str) -> str:

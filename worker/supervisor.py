@@ -37,14 +37,19 @@ from typing import Any
 import httpx
 
 from locojax.client import ApiClient, ApiClientError
+from locojax.contract import (CHECKPOINTS_DIR, CONTROL_DIR, EXIT_CANCELLED, METRICS_FILE, TERMINAL_STATES,
+                              HostProcessStatus, RunStatus, read_host_status, read_run_marker, write_run_marker)
+from locojax.modes import ROLE_CO, ROLE_CONTROLLER, ROLE_ROLLOUT, ROLE_TRAIN, ROLE_WORKER, spec_mode
 from locojax.spec import RunSpec, dump_spec
-from worker.protocol import EXIT_CANCELLED
 
 log = logging.getLogger("locojax.worker")
 
 METRICS_BATCH_ROWS = 500
 EVENTS_BATCH = 200
 EVENT_SEQ_PER_ATTEMPT = 1_000_000_000  # output line n of attempt a has seq a * this + n
+# The run is no longer this attempt's to run ("DELETED": the API no longer knows it).
+MOVED_ON = frozenset({RunStatus.QUEUED.value, RunStatus.RECOVERING.value, "DELETED",
+                      *(status.value for status in TERMINAL_STATES)})
 
 
 @dataclasses.dataclass
@@ -62,6 +67,7 @@ class WorkerContext:
     reward_modules: tuple[str, ...] = ()  # the operator's reward module prefixes, passed to every engine process
     ray_address: str = ""  # the operator's Ray cluster for DA runs; empty: a private one per run
     engine_env: dict[str, str] = dataclasses.field(default_factory=dict)  # see engine_environment
+    runs_root: Path = Path("runs")  # the only directory engine processes of this host write under
 
 
 # What an engine process may see of its worker's environment: how to find programs and its home, the
@@ -78,6 +84,14 @@ def engine_environment(parent: Mapping[str, str]) -> dict[str, str]:
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env["PYTHONUNBUFFERED"] = "1"  # output lines reach the relay as they are written
     return env
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by this user only (created 0600, never world-readable)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
 
 
 def now_utc() -> datetime:
@@ -110,11 +124,20 @@ def _retrying(fn: Any, *args: Any, deadline_s: float, what: str, **kwargs: Any) 
         delay = min(delay * 2, 5.0)
 
 
-class MetricsRelay:
-    """Tails `metrics.jsonl` and posts complete lines in batches; keeps undelivered rows."""
+def is_stale_refusal(exc: Exception) -> bool:
+    """The API refused a report because its attempt is no longer current (or the run finished): this
+    attempt's relays stop, and its process with them (retrying can never succeed)."""
+    return isinstance(exc, ApiClientError) and exc.status == 409 and exc.code in ("STALE_ATTEMPT", "RUN_FINISHED")
 
-    def __init__(self, api: ApiClient, run_id: int, path: Path):
+
+class MetricsRelay:
+    """Tails `metrics.jsonl` and posts complete lines in batches; keeps undelivered rows. Once the API
+    says this attempt is stale (409), `stale` is set and nothing more is posted."""
+
+    def __init__(self, api: ApiClient, run_id: int, path: Path, *, attempt: int = 0, host_name: str | None = None):
         self.api, self.run_id, self.path = api, run_id, path
+        self.attempt, self.host_name = attempt, host_name
+        self.stale = False
         self.offset = 0
         self.pending: list[dict[str, Any]] = []
         self.delivered_steps: set[int] = set()
@@ -136,11 +159,17 @@ class MetricsRelay:
 
     def flush(self) -> bool:
         """Post what is pending; False when the API could not be reached (kept for the next flush)."""
-        while self.pending:
+        while self.pending and not self.stale:
             batch = self.pending[:self.batch_rows]
             try:
-                self.api.post_metrics(self.run_id, batch)
+                self.api.post_metrics(self.run_id, batch, attempt=self.attempt, host_name=self.host_name)
             except (httpx.TransportError, ApiClientError) as exc:
+                if is_stale_refusal(exc):
+                    log.warning("run %s attempt %s: metrics refused as stale (%s); relay stopped", self.run_id,
+                                self.attempt, exc)
+                    self.stale = True
+                    self.pending.clear()
+                    return True
                 if isinstance(exc, ApiClientError) and exc.status == 413 and len(batch) > 1:
                     # The API's limit is in values per request (metrics_batch_max_values); rows with many
                     # keys reach it in fewer rows. Smaller batches, not dropped metrics.
@@ -170,8 +199,11 @@ def _metric_row(line: bytes) -> dict[str, Any] | None:
 class OutputRelay:
     """Reads the process's merged stdout/stderr in a thread; posts lines as events with sequence numbers."""
 
-    def __init__(self, api: ApiClient, run_id: int, source: str, seq_base: int, stream: Any):
+    def __init__(self, api: ApiClient, run_id: int, source: str, seq_base: int, stream: Any, *, attempt: int = 0,
+                 host_name: str | None = None):
         self.api, self.run_id, self.source, self.seq_base = api, run_id, source, seq_base
+        self.attempt, self.host_name = attempt, host_name
+        self.stale = False
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.pending: list[dict[str, Any]] = []
         self.count = 0
@@ -195,15 +227,20 @@ class OutputRelay:
             self.count += 1
             self.tail = (self.tail + [line])[-5:]
             level = "error" if line.startswith(("Traceback", "Error", "jax.errors", "RuntimeError")) else "info"
-            self.pending.append({"message": line[:65536], "level": level, "source": self.source,
-                                 "seq": self.seq_base + self.count, "ts": now_utc().isoformat()})
+            # The API names the source (this host's process) and stamps the time itself.
+            self.pending.append({"message": line[:65536], "level": level, "seq": self.seq_base + self.count})
 
     def flush(self) -> bool:
-        while self.pending:
+        while self.pending and not self.stale:
             batch = self.pending[:EVENTS_BATCH]
             try:
-                self.api.post_events(self.run_id, batch)
+                self.api.post_events(self.run_id, batch, attempt=self.attempt, host_name=self.host_name)
             except (httpx.TransportError, ApiClientError) as exc:
+                if is_stale_refusal(exc):
+                    log.warning("run %s attempt %s: events refused as stale; relay stopped", self.run_id, self.attempt)
+                    self.stale = True
+                    self.pending.clear()
+                    return True
                 if isinstance(exc, ApiClientError) and exc.status < 500:
                     log.error("events batch refused, dropped: %s", exc)
                 else:
@@ -214,18 +251,22 @@ class OutputRelay:
 
 class HostSupervisor:
     def __init__(self, context: WorkerContext, *, run_id: int, attempt: int, process_index: int,
-                 num_processes: int, role: str, resume: bool, output_dir: str):
+                 num_processes: int, role: str, resume: bool, output_dir: str, secret: str = ""):
         self.ctx, self.api = context, context.api
         self.run_id, self.attempt, self.index = run_id, attempt, process_index
         self.num_processes, self.role, self.resume = num_processes, role, resume
         self.out = Path(output_dir)
-        self.control = self.out / ".control"
+        self.control = self.out / CONTROL_DIR
         self.cancel_file = self.control / f"cancel-attempt{attempt}-host{process_index}"
+        # The attempt's shared secret reaches the engine as a file only its user can read: never in
+        # its environment or command line (both are visible to every local user).
+        self.secret, self.secret_file = secret, self.control / f"secret-attempt{attempt}-host{process_index}"
         self.process: subprocess.Popen[str] | None = None
 
     # --- reports ---------------------------------------------------------------------------------
 
-    def report(self, status: str, *, final: bool = False, **fields: Any) -> None:
+    def report(self, status: HostProcessStatus, *, final: bool = False, **fields: Any) -> None:
+        status = HostProcessStatus(status).value
         body = {"host_name": self.ctx.host_name, "role": self.role, "status": status, "attempt": self.attempt,
                 **fields}
         _retrying(self.api.report_host_process, self.run_id, self.index,
@@ -243,7 +284,7 @@ class HostSupervisor:
 
     def run(self) -> str:
         run = _retrying(self.api.get_run, self.run_id, deadline_s=30.0, what="read run")
-        if run["attempt"] != self.attempt or run["status"] != "STARTING":
+        if run["attempt"] != self.attempt or run["status"] != RunStatus.STARTING:
             log.info("run %s attempt %s is stale (now attempt %s, %s); not starting", self.run_id, self.attempt,
                      run["attempt"], run["status"])
             return "stale"
@@ -251,11 +292,17 @@ class HostSupervisor:
                      if row["process_index"] == self.index), None)
         if mine is None or mine["host_name"] != self.ctx.host_name or mine["pid"] is not None:
             return "duplicate"  # a resent message for a process that is already started (or not ours)
+        refusal = self.check_run_directory(run)
+        if refusal is not None:
+            self.report(HostProcessStatus.FAILED, final=True, reason=refusal, exit_code=None, ended_at=now_utc().isoformat())
+            return "refused"
         spec = RunSpec.model_validate({**run["spec"], "output_dir": str(self.out)})
-        self.control.mkdir(parents=True, exist_ok=True)
+        write_run_marker(self.out, self.run_id)
         self.cancel_file.unlink(missing_ok=True)
         spec_path = self.control / f"spec-attempt{self.attempt}-host{self.index}.yaml"
         spec_path.write_text(dump_spec(spec), encoding="utf-8")
+        if self.secret:
+            write_private(self.secret_file, self.secret)
 
         coordinator = None
         if self.num_processes > 1:
@@ -267,10 +314,33 @@ class HostSupervisor:
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env=self.ctx.engine_env or engine_environment({}), start_new_session=True, preexec_fn=_die_with_parent,
         )
-        self.report("RUNNING", pid=self.process.pid, started_at=now_utc().isoformat())
+        try:
+            self.report(HostProcessStatus.RUNNING, pid=self.process.pid, started_at=now_utc().isoformat())
+        except ApiClientError as exc:
+            if not is_stale_refusal(exc):
+                raise
+            log.info("run %s attempt %s moved on while starting; stopping host process %s", self.run_id,
+                     self.attempt, self.index)  # supervise() sees the run moved on and stops it
         log.info("run %s attempt %s: host process %s started (pid %s)", self.run_id, self.attempt, self.index,
                  self.process.pid)
         return self.supervise(spec)
+
+    def check_run_directory(self, run: Mapping[str, Any]) -> str | None:
+        """The host's own check before anything is written (the message could be forged or the API
+        misconfigured): the directory must be `<runs_root>/<id>-<name>` with symlinks resolved, and must
+        not belong to another run (its `.control/run-id` marker). Returns why not, or None."""
+        root = self.ctx.runs_root.resolve()
+        expected = root / f"{self.run_id}-{run['name']}"
+        real = self.out.resolve()
+        if real != expected or real.parent != root:
+            return f"run directory {self.out} is not {expected} (this host writes only under {root})"
+        try:
+            owner = read_run_marker(real)
+        except OSError as exc:
+            return f"run directory {real} is unreadable: {exc}"
+        if owner is not None and owner != str(self.run_id):
+            return f"run directory {real} belongs to run {owner}"
+        return None
 
     def _coordinator(self) -> str | None:
         """Process 0 picks a free port and publishes ADDR:PORT; the others wait for it."""
@@ -278,7 +348,7 @@ class HostSupervisor:
             from locojax.launch import free_port
 
             address = f"{self.ctx.address}:{free_port()}"
-            self.report("STARTING", address=address)
+            self.report(HostProcessStatus.STARTING, address=address)
             return address
         while True:
             rows = _retrying(self.api.list_run_hosts, self.run_id, self.attempt, deadline_s=30.0,
@@ -287,7 +357,7 @@ class HostSupervisor:
             if first is not None and first["address"]:
                 return first["address"]
             run = self._run_now()
-            if run is not None and (run["attempt"] != self.attempt or run["status"] != "STARTING"):
+            if run is not None and (run["attempt"] != self.attempt or run["status"] != RunStatus.STARTING):
                 return None
             time.sleep(0.2)
 
@@ -295,22 +365,40 @@ class HostSupervisor:
         common = ["--quiet", "--cancel-file", str(self.cancel_file)] + (["--resume"] if self.resume else [])
         if self.ctx.reward_modules:
             common += ["--reward-modules", ",".join(self.ctx.reward_modules)]
-        if self.role == "co":
+        secret = ["--secret-file", str(self.secret_file)] if self.secret else []
+        if self.role == ROLE_CO:
             command = [sys.executable, "-m", "locojax.cli", "host", str(spec_path), "--process-id", str(self.index),
                        "--num-processes", str(self.num_processes),
                        "--devices-per-host", str(spec.placement.devices_per_host)]
             if coordinator:
                 command += ["--coordinator", coordinator]
             return command + common
-        ray = ["--ray-address", self.ctx.ray_address] if self.ctx.ray_address and spec.placement.mode == "da" else []
-        return [sys.executable, "-m", "locojax.cli", "train", str(spec_path)] + ray + common
+        if self.role == ROLE_WORKER:
+            # An SC worker connects to its run's controller (process 0's published address); it scores
+            # nothing and watches no cancel file: the controller decides both.
+            assert coordinator is not None
+            return [sys.executable, "-m", "locojax.cli", "sc-worker", str(spec_path), "--controller", coordinator,
+                    "--process-id", str(self.index), "--devices-per-host", str(spec.placement.devices_per_host),
+                    "--quiet"] + secret + (["--resume"] if self.resume else [])
+        ray = ["--ray-address", self.ctx.ray_address] if self.ctx.ray_address and spec_mode(spec).uses_ray else []
+        if self.role in (ROLE_ROLLOUT, ROLE_TRAIN):
+            # A DA host's Ray node joins the head its run's driver (process 0) started where it published
+            # itself, and advertises this worker's address; the driver decides when it ends.
+            assert coordinator is not None
+            return [sys.executable, "-m", "locojax.cli", "ray-node", str(spec_path), "--head", coordinator,
+                    "--node-address", self.ctx.address, "--process-id", str(self.index)] + ray + secret
+        # A controller of a multi-process run listens where it published itself (SC: for its workers; DA:
+        # its Ray head, which the other hosts' nodes join).
+        listen = ["--listen", coordinator] if coordinator and self.role == ROLE_CONTROLLER else []
+        return [sys.executable, "-m", "locojax.cli", "train", str(spec_path)] + ray + listen + secret + common
 
     def supervise(self, spec: RunSpec) -> str:
         assert self.process is not None and self.process.stdout is not None
         output = OutputRelay(self.api, self.run_id, f"host{self.index}", self.attempt * EVENT_SEQ_PER_ATTEMPT,
-                             self.process.stdout)
-        metrics = MetricsRelay(self.api, self.run_id, self.out / "metrics.jsonl") if self.index == 0 else None
-        checkpoint_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else self.out / "checkpoints"
+                             self.process.stdout, attempt=self.attempt, host_name=self.ctx.host_name)
+        metrics = (MetricsRelay(self.api, self.run_id, self.out / METRICS_FILE, attempt=self.attempt,
+                                host_name=self.ctx.host_name) if self.index == 0 else None)
+        checkpoint_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else self.out / CHECKPOINTS_DIR
         reported_checkpoint: int | None = None
         cancel_at: float | None = None
         stop_reason: str | None = None  # set when the supervisor stops the process on purpose
@@ -327,15 +415,18 @@ class HostSupervisor:
             if returncode is not None:
                 break
             now = time.monotonic()
+            if stop_reason is None and (output.stale or (metrics is not None and metrics.stale)):
+                # The API refused this attempt's reports: a newer attempt owns the run (or it ended).
+                stop_reason = "the API refused its reports as stale (a newer attempt or a finished run)"
+                term_at = now
             if now - last_poll >= 1.0:
                 last_poll = now
                 run = self._run_now()
                 if run is not None and stop_reason is None:
-                    if run["attempt"] != self.attempt or run["status"] in ("QUEUED", "RECOVERING", "SUCCEEDED",
-                                                                           "FAILED", "CANCELLED", "DELETED"):
+                    if run["attempt"] != self.attempt or run["status"] in MOVED_ON:
                         stop_reason = f"the run moved on ({run['status']}, attempt {run['attempt']})"
                         term_at = now
-                    elif run["status"] == "CANCELLING" and cancel_at is None:
+                    elif run["status"] == RunStatus.CANCELLING and cancel_at is None:
                         self.cancel_file.touch()
                         cancel_at = now
                         log.info("run %s: cancel requested; waiting for the step boundary", self.run_id)
@@ -346,6 +437,9 @@ class HostSupervisor:
                 self._stop(term_at)
             time.sleep(self.ctx.poll_s)
 
+        # Whatever the engine started in its session and left behind when it ended (a Ray agent whose
+        # raylet died with a killed driver) goes with it: nothing of an attempt outlives its process.
+        self._sweep_session()
         output.thread.join(timeout=5)
         output.collect()
         def delivered() -> bool:
@@ -376,6 +470,13 @@ class HostSupervisor:
         except ProcessLookupError:
             pass
 
+    def _sweep_session(self) -> None:
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own process group (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing was left
+
     def _report_checkpoint(self, directory: Path, reported: int | None) -> int | None:
         try:
             steps = [int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
@@ -384,33 +485,32 @@ class HostSupervisor:
         latest = max(steps, default=None)
         if latest is not None and (reported is None or latest > reported):
             try:
-                self.api.report_checkpoint(self.run_id, latest)
+                self.api.report_checkpoint(self.run_id, latest, attempt=self.attempt, host_name=self.ctx.host_name)
                 return latest
             except (httpx.TransportError, ApiClientError):
                 return reported
         return reported
 
     def _report_exit(self, returncode: int, stop_reason: str | None, tail: list[str]) -> str:
+        self.secret_file.unlink(missing_ok=True)
         fields: dict[str, Any] = {"exit_code": returncode, "ended_at": now_utc().isoformat()}
         if returncode == 0:
-            status, reason = "EXITED", "exited cleanly"
+            status, reason = HostProcessStatus.EXITED, "exited cleanly"
         elif returncode == EXIT_CANCELLED:
-            status, reason = "EXITED", "stopped at a step boundary on a cancel request"
+            status, reason = HostProcessStatus.EXITED, "stopped at a step boundary on a cancel request"
         elif stop_reason is not None:
-            status, reason = "KILLED", f"stopped by its worker: {stop_reason}"
+            status, reason = HostProcessStatus.KILLED, f"stopped by its worker: {stop_reason}"
         else:
-            status = "FAILED"
+            status = HostProcessStatus.FAILED
             cause = (f"killed by {signal.Signals(-returncode).name}" if returncode < 0
                      else f"exit code {returncode}")
             where = self._last_phase()
             reason = cause + (f" {where}" if where else "") + (f"; last output: {tail[-1][:500]}" if tail else "")
         self.report(status, final=True, reason=reason, **fields)
-        log.info("run %s attempt %s: host process %s %s (%s)", self.run_id, self.attempt, self.index, status, reason)
-        return status.lower()
+        log.info("run %s attempt %s: host process %s %s (%s)", self.run_id, self.attempt, self.index, status.value,
+                 reason)
+        return status.value.lower()
 
     def _last_phase(self) -> str:
-        try:
-            state = json.loads((self.out / "hosts" / f"host{self.index}.json").read_text())
-            return f"in phase {state['phase']} of step {state['step']}"
-        except (OSError, ValueError, KeyError):
-            return ""
+        state = read_host_status(self.out, self.index)
+        return f"in phase {state['phase']} of step {state['step']}" if state and "phase" in state else ""

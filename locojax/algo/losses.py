@@ -92,6 +92,13 @@ def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
     return jnp.exp(delta) - delta - 1.0
 
 
+# Policy losses by name (`AlgoSpec.loss`), each with grpo_objective's signature: (logprobs,
+# old_logprobs, advantages, completion_mask, loss_weights, mean_weights, *, clip_eps_low,
+# clip_eps_high, kl_coef, ref_logprobs, entropy) -> (loss, metrics as weighted sums).
+POLICY_LOSSES: Registry[Callable[..., tuple[jax.Array, dict[str, jax.Array]]]] = Registry("policy loss")
+
+
+@POLICY_LOSSES.register("grpo")
 def grpo_objective(
     logprobs: jax.Array,  # [B, N]
     old_logprobs: jax.Array,  # [B, N]

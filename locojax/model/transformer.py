@@ -224,12 +224,19 @@ class Transformer(nnx.Module):
         cache: Cache | None = None,
         cache_index: jax.Array | int = 0,  # slot of tokens[:, 0] in the cache
         output_slots: tuple[int, int] | None = None,
+        remat: str = "none",
+        hidden_only: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
         """Logits [B, T, V]; with `output_slots` (start, stop) — static ints, no cache — only those of
         slots start..stop-1, [B, stop-start, V]. Every layer but the last still runs on all T slots
         (later slots attend to them); the last computes queries, MLP, norm and head for the output
         slots alone. Same values as slicing the full logits, less work (training scores only the
-        completion's slots)."""
+        completion's slots).
+
+        `remat` "full" (training, no cache): each layer is rematerialised, so its backward pass
+        recomputes the layer from its input instead of keeping its activations. `hidden_only`: the
+        final-normed hidden states [B, T, D] instead of logits, for callers that apply the head in
+        vocabulary chunks (`head_rows`)."""
         c = self.config
         t = tokens.shape[1]
         s = kv_mask.shape[1]
@@ -246,17 +253,38 @@ class Transformer(nnx.Module):
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(c.dtype))  # [B, T, D]
         new_cache: Cache | None = [] if cache is not None else None
+        if remat not in ("none", "full"):
+            raise ValueError(f"remat must be 'none' or 'full', got {remat!r}")
+        if remat != "none" and cache is not None:
+            raise ValueError("remat applies to a full forward without a KV cache (training)")
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1
-            x, layer_cache = layer(x, sin, cos, mask, None if cache is None else cache[i], cache_index,
-                                   output_slots if last else None)
+            query_slots = output_slots if last else None
+            if remat == "none":
+                x, layer_cache = layer(x, sin, cos, mask, None if cache is None else cache[i], cache_index,
+                                       query_slots)
+            else:
+                x, layer_cache = _remat_layer(layer, x, sin, cos, mask, query_slots)
             if new_cache is not None:
                 new_cache.append(layer_cache)
         x = self.final_norm(x)
+        if hidden_only:
+            return x, new_cache
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         b, t, d = x.shape
         logits = (x.reshape(b * t, d) @ head.astype(x.dtype)).reshape(b, t, -1)
         return logits.astype(jnp.float32), new_cache
+
+
+    def head_rows(self) -> jax.Array:
+        """The output projection as [V, D] rows (the embedding when tied): logits = hidden @ rows.T."""
+        return self.embed[...] if self.config.tie_embeddings else self.lm_head[...].T
+
+
+@nnx.remat(static_argnums=(5,))
+def _remat_layer(layer: DecoderLayer, x, sin, cos, mask, query_slots):
+    # Nothing inside the layer is saved for the backward pass but its inputs (jax.checkpoint's default).
+    return layer(x, sin, cos, mask, None, 0, query_slots)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
@@ -276,8 +304,8 @@ def create_model(config: ModelConfig, seed: int = 0) -> Transformer:
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens, positions, kv_mask, cache=None, cache_index=0,
-            output_slots: tuple[int, int] | None = None):
+            output_slots: tuple[int, int] | None = None, remat: str = "none", hidden_only: bool = False):
     """Pure functional forward over split NNX state, for use inside `jax.jit` (cheap per call,
-    unlike `nnx.jit`; PITFALLS.md). `output_slots`: see `Transformer.__call__`."""
+    unlike `nnx.jit`; PITFALLS.md). `output_slots`, `remat`, `hidden_only`: see `Transformer.__call__`."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, kv_mask, cache, cache_index, output_slots)
+    return model(tokens, positions, kv_mask, cache, cache_index, output_slots, remat, hidden_only)

@@ -1,23 +1,199 @@
-"""The three coordination modes over the same kernels: `co`, `da`, `sc` (DESIGN §2).
+"""What a mode is, as one registered object per mode: `co`, `sc`, `da` (DESIGN §2) and `sft`.
 
-`run_mode(spec, ...)` picks the mode named by `spec.placement.mode` from the `MODES` registry, or,
-for a spec of `kind: sft`, the single-host SFT loop (locojax.sft), which takes the same keywords.
+A `ModeDef` carries everything the rest of the system needs to know about a mode:
+  * its session (setup + step, run by the one loop of `locojax.runner`), named "module:Class" and
+    imported on use, so this module stays jax-free: the scheduler, the worker and the web import it;
+  * its process layout: how many hosts a run reserves and which engine processes start on them;
+  * how the CLI runs it in one process (devices that process owns, whether `locojax train` starts
+    local host processes instead, whether it takes an operator's Ray cluster);
+  * its spec validation (`validate`, called by RunSpec, so the CLI and the API refuse alike);
+  * its cost-model entry: the name of its entry in `locojax.placement.cost_model.MODE_COSTS`
+    (placement never imports modes; the cost functions live there and a mode names its own).
+
+`mode_for(kind, mode)` picks the definition a spec runs under: `kind: sft` runs as the `sft` mode,
+a GRPO spec as its `placement.mode`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from typing import TYPE_CHECKING, Callable
 
 from locojax.registry import Registry
 
-# mode name -> "module:function"; imported on use so CO never pays for Ray.
-MODES: Registry[str] = Registry("mode")
-MODES.register("co")("locojax.modes.co:run_co")
-MODES.register("sc")("locojax.modes.sc:run_sc")
-MODES.register("da")("locojax.modes.da:run_da")
+if TYPE_CHECKING:  # RunSpec validation calls into here; the spec module imports this one
+    from locojax.contract import RunResult
+    from locojax.spec import PlacementSpec, RunSpec
+
+# Roles of engine processes, as the control plane records them (server.models.HostRole has the values).
+ROLE_CO = "co"  # colocated: rollout + reward + train on its host, one of a multi-controller job
+ROLE_CONTROLLER = "controller"  # the one process of an SC, DA or SFT run (DA's driver places its actors)
 
 
-def run_mode(spec, **kwargs):
-    target = "locojax.sft:run_sft" if spec.kind == "sft" else MODES.get(spec.placement.mode)
-    module_name, function = target.split(":")
-    return getattr(importlib.import_module(module_name), function)(spec, **kwargs)
+ROLE_WORKER = "worker"  # SC: samples and trains its host's share as the controller says, one per host
+# DA: the Ray node of one reserved host other than the driver's, in the run's train or rollout group
+ROLE_TRAIN = "train"
+ROLE_ROLLOUT = "rollout"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessLayout:
+    """What a run occupies: `hosts` reserved hosts, and one engine process per entry of `roles`,
+    process i started on reserved host `host_of[i]` (by default host i)."""
+
+    hosts: int
+    roles: tuple[str, ...]
+    host_of: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.host_of:
+            object.__setattr__(self, "host_of", tuple(range(len(self.roles))))
+        if len(self.host_of) != len(self.roles) or not all(0 <= h < self.hosts for h in self.host_of):
+            raise ValueError(f"process layout {self.roles} on {self.host_of} does not fit {self.hosts} host(s)")
+
+
+def _no_placement_checks(placement: "PlacementSpec") -> str | None:
+    return None
+
+
+def _no_spec_checks(spec: "RunSpec") -> str | None:
+    return None
+
+
+def _all_hosts(placement: "PlacementSpec") -> int:
+    return placement.hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeDef:
+    name: str
+    summary: str
+    session: str  # "module:Class" of its ModeSession, imported on use (CO never pays for Ray)
+    layout: Callable[["PlacementSpec"], ProcessLayout]
+    # Devices the one process of `locojax train` owns (a multi-process mode counts one host's).
+    local_devices: Callable[["PlacementSpec"], int]
+    cost_entry: str | None = None  # its entry in locojax.placement.cost_model.MODE_COSTS; None: not costed
+    # Mode-specific checks, each giving an error message or None: of the placement block alone (the
+    # error names `placement`) and of the whole spec (after the placement's).
+    validate_placement: Callable[["PlacementSpec"], str | None] = _no_placement_checks
+    validate: Callable[["RunSpec"], str | None] = _no_spec_checks
+    # The hosts that do rollout, each holding whole groups: prompts_per_step must divide among them.
+    rollout_hosts: Callable[["PlacementSpec"], int] = _all_hosts
+    rollout_groups: bool = False  # splits its hosts into rollout and train groups (placement.rollout_fraction)
+    multi_process: bool = False  # `locojax train` on more than one host starts local host processes
+    uses_ray: bool = False  # takes the operator's Ray cluster (`--ray-address`)
+    evaluates: bool = False  # runs the spec's `eval:` block
+
+    def session_class(self):
+        module_name, name = self.session.split(":")
+        return getattr(importlib.import_module(module_name), name)
+
+
+MODES: Registry[ModeDef] = Registry("mode")
+# A spec's kind that runs as a mode of its own, whatever its placement.mode says.
+KIND_MODES = {"sft": "sft"}
+
+
+def mode_for(kind: str, mode: str) -> ModeDef:
+    return MODES.get(KIND_MODES.get(kind, mode))
+
+
+def spec_mode(spec: "RunSpec") -> ModeDef:
+    return mode_for(spec.kind, spec.placement.mode)
+
+
+def run_mode(spec: "RunSpec", **options) -> "RunResult":
+    """Run `spec` in this process under its mode, through the one run loop."""
+    from locojax.runner import run
+
+    return run(spec, spec_mode(spec).session_class(), **options)
+
+
+def isolate_network(spec: "RunSpec", ray_address: str | None) -> None:
+    """A run of a Ray mode that starts its own Ray re-executes itself in a private network namespace
+    first, since Ray 2.60 listens on every interface (locojax.private_network); an operator's Ray
+    (`ray_address`) is theirs to secure."""
+    if spec_mode(spec).uses_ray and not ray_address:
+        from locojax.private_network import reexecute_inside
+
+        reexecute_inside()
+
+
+# ---------------------------------------------------------------------------------------------
+# The modes
+
+
+def _one_process_on_every_host(placement: "PlacementSpec") -> ProcessLayout:
+    return ProcessLayout(placement.hosts, (ROLE_CO,) * placement.hosts)
+
+
+def _controller_on_first_host(placement: "PlacementSpec") -> ProcessLayout:
+    # SFT is one host: its one engine process starts on the first reserved host.
+    return ProcessLayout(placement.hosts, (ROLE_CONTROLLER,))
+
+
+def _controller_and_a_worker_per_host(placement: "PlacementSpec") -> ProcessLayout:
+    # SC: process 0 is the controller on the first host (it starts that host's worker as its child,
+    # since a host's worker runs one start message at a time); process h is host h's worker.
+    return ProcessLayout(placement.hosts, (ROLE_CONTROLLER,) + (ROLE_WORKER,) * (placement.hosts - 1))
+
+
+def _no_devices(placement: "PlacementSpec") -> int:
+    return 1  # a process that holds no model still gets JAX's one CPU device
+
+
+def _one_host(placement: "PlacementSpec") -> int:
+    return placement.devices_per_host
+
+
+def _every_host_in_one_process(placement: "PlacementSpec") -> int:
+    return placement.hosts * placement.devices_per_host
+
+
+def _da_driver_and_a_ray_node_per_host(placement: "PlacementSpec") -> ProcessLayout:
+    # Process 0, the driver, starts the run's Ray head on the first reserved host (which is train
+    # host 0, locojax.modes.da_cluster); every other reserved host runs one Ray node joining it, in
+    # its group: the train hosts first, then the rollout hosts.
+    train_hosts = placement.hosts - placement.rollout_hosts
+    return ProcessLayout(placement.hosts, (ROLE_CONTROLLER,) + tuple(
+        ROLE_TRAIN if host < train_hosts else ROLE_ROLLOUT for host in range(1, placement.hosts)))
+
+
+def _check_da_placement(placement: "PlacementSpec") -> str | None:
+    if placement.hosts < 2:
+        return "placement.hosts must be at least 2 in DA mode (one rollout and one train host)"
+    fraction = placement.rollout_fraction if placement.rollout_fraction is not None else 0.5
+    if not 1 <= placement.rollout_hosts <= placement.hosts - 1:
+        return (f"placement.rollout_fraction {fraction} gives {placement.rollout_hosts} rollout hosts of "
+                f"{placement.hosts}; both groups need at least one host")
+    return None
+
+
+def _da_rollout_hosts(placement: "PlacementSpec") -> int:
+    return placement.rollout_hosts
+
+
+def _check_sft(spec: "RunSpec") -> str | None:
+    if spec.placement.hosts != 1:
+        return f"placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), got {spec.placement.hosts}"
+    if spec.rollout.prompts_per_step % spec.placement.devices_per_host:
+        return (f"rollout.prompts_per_step ({spec.rollout.prompts_per_step}) is the SFT batch and must be "
+                f"divisible by placement.devices_per_host ({spec.placement.devices_per_host})")
+    return None
+
+
+MODES.register("co")(ModeDef(
+    "co", "colocated: every host samples, scores and trains its own prompts; one SPMD train step",
+    "locojax.modes.co:COSession", _one_process_on_every_host, _one_host, cost_entry="co",
+    multi_process=True, evaluates=True))
+MODES.register("sc")(ModeDef(
+    "sc", "single controller: one process dispatches every host's work and gathers every rollout",
+    "locojax.modes.sc:SCSession", _controller_and_a_worker_per_host, _no_devices, cost_entry="sc"))
+MODES.register("da")(ModeDef(
+    "da", "disaggregated: rollout and train host groups as Ray actors, overlapped (staleness <= 1)",
+    "locojax.modes.da:DASession", _da_driver_and_a_ray_node_per_host, _every_host_in_one_process, cost_entry="da",
+    validate_placement=_check_da_placement, rollout_hosts=_da_rollout_hosts, rollout_groups=True, uses_ray=True))
+MODES.register("sft")(ModeDef(
+    "sft", "supervised warm start: teacher-forced updates on the task's reference answers, one host",
+    "locojax.sft:SFTSession", _controller_on_first_host, _one_host, validate=_check_sft))

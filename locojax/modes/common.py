@@ -14,26 +14,28 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from locojax import metrics as m
 from locojax.algo import compute_advantages
-from locojax.model import ModelConfig, create_model, get_preset
 from locojax.rewards import score
 from locojax.rollout import (
     RolloutResult,
-    SamplingConfig,
     decode_completions,
     encode_prompts,
     make_generate_fn,
     rollout_mesh,
 )
+from locojax.contract import EngineStatus, HostStatus
+from locojax.policy import Policy, host_copy, load_policy, sampling_config, to_local  # noqa: F401  (the modes' imports)
+from locojax.runner import ModeSession
 from locojax.spec import RunSpec
 from locojax.tasks import Example, Task, host_shard, repeat_examples, reward_names
-from locojax.tokenizer import Tokenizer, load_tokenizer
 from locojax.checkpoint import Checkpointer
 from locojax.model.sharding import batch_sharding, make_mesh, shard_state
+from locojax.placement.memory import check_spec_fits
 from locojax.tasks import load_task_data
 from locojax.train import (
     TrainState,
@@ -41,48 +43,7 @@ from locojax.train import (
     make_optimizer,
     make_sft_step,
     make_train_step,
-    split_params,
 )
-
-
-@dataclasses.dataclass
-class Policy:
-    config: ModelConfig
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    tokenizer: Tokenizer
-
-
-def load_policy(spec: RunSpec) -> Policy:
-    """The starting policy: a preset initialised from the run's seed, or a local HF checkpoint
-    directory (e.g. `<output_dir>/model` of an SFT run). Every host builds bit-identical params."""
-    tokenizer = load_tokenizer(spec.model.tokenizer)
-    if spec.model.checkpoint:
-        from locojax.model.hf import load_hf_checkpoint
-
-        path = Path(spec.model.checkpoint)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.checkpoint: {path} holds no config.json (expected a HF directory, "
-                                    "e.g. <output_dir>/model of a finished SFT run)")
-        model = load_hf_checkpoint(path, dtype=spec.model.dtype)
-    else:
-        config = get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
-        model = create_model(config, seed=spec.seed)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"model.tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
-                         f"{model.config.vocab_size}")
-    graphdef, params = split_params(model)
-    return Policy(model.config, graphdef, params, tokenizer)
-
-
-def sampling_config(spec: RunSpec, tokenizer: Tokenizer) -> SamplingConfig:
-    return SamplingConfig.from_spec(spec.rollout, tokenizer)
-
-
-def to_local(params: nnx.State, sharding: NamedSharding) -> nnx.State:
-    """A host-local replicated copy of (globally replicated) params: one addressable shard per leaf,
-    placed on this host's rollout mesh. No cross-host traffic: every host holds the full params."""
-    return jax.device_put(jax.tree.map(lambda x: x.addressable_data(0), params), sharding)
 
 
 @dataclasses.dataclass
@@ -163,15 +124,28 @@ def score_and_normalise(spec: RunSpec, task: Task, examples: Sequence[Example], 
     return np.asarray(rewards, np.float32), per_fn, advantages
 
 
-def params_checksum(params: nnx.State) -> float:
-    """A float-exact fingerprint of this host's copy of the params (48 bits of a hash), reported per
-    host so a test can check that all hosts hold identical weights after every step."""
-    import hashlib
+@jax.jit
+def _fingerprint(leaves: list[jax.Array]) -> jax.Array:
+    # Integer arithmetic wraps mod 2**32, so the sum is exact and independent of reduction order:
+    # the same values give the same fingerprint on any device and any host.
+    total = jnp.zeros((), jnp.uint32)
+    for index, leaf in enumerate(leaves):
+        bits = jax.lax.bitcast_convert_type(leaf, jnp.uint32 if leaf.dtype.itemsize == 4 else jnp.uint16)
+        flat = bits.reshape(-1).astype(jnp.uint32)
+        # A position-dependent odd weight, so swapped or shifted values change the fingerprint too.
+        weights = (jnp.arange(flat.size, dtype=jnp.uint32) + jnp.uint32(index * 0x9E37)) * jnp.uint32(2654435761) | 1
+        total = total + jnp.sum(flat * weights, dtype=jnp.uint32)
+    return total
 
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
-        digest.update(np.asarray(leaf.addressable_data(0) if hasattr(leaf, "addressable_data") else leaf).tobytes())
-    return float(int(digest.hexdigest()[:12], 16))
+
+def params_checksum(params: nnx.State) -> jax.Array:
+    """A fingerprint of this host's copy of the params as one device scalar (uint32, exact as a float):
+    reported per host, when `debug.checksum_every` asks, so a test can check that all hosts hold
+    identical weights. Computed on the host's first local device; nothing is copied to the host but
+    the scalar."""
+    leaves = [leaf.addressable_data(0) if hasattr(leaf, "addressable_data") else leaf
+              for leaf in jax.tree.leaves(params)]
+    return _fingerprint(leaves)
 
 
 @dataclasses.dataclass
@@ -200,16 +174,38 @@ class Trainer:
         self.checkpoints.save(self.state, {"run": spec.name}, force=force)
 
 
+class TrainerSession(ModeSession):
+    """A mode session that trains in this process with a `Trainer` (CO, SC, SFT): it checkpoints,
+    finishes and closes the same way."""
+
+    def __init__(self, spec: RunSpec, trainer: Trainer):
+        self.spec, self.trainer = spec, trainer
+        self.start_step = trainer.start_step
+
+    def checkpoint(self, force: bool) -> None:
+        self.trainer.checkpoint(self.spec, force=force)
+
+    def finish(self, status: EngineStatus, steps_done: int, where: HostStatus) -> int | None:
+        self.trainer.checkpoints.wait_until_finished()
+        return self.trainer.checkpoints.latest_step()
+
+    def close(self) -> None:
+        self.trainer.checkpoints.close()
+
+
 def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir: Path, resume: bool) -> Trainer:
-    """Policy, task, optimizer and a TrainState replicated over a data-parallel mesh of `devices`;
+    """Policy, task, optimizer and a TrainState on the spec's data x fsdp x tensor mesh of `devices`
+    (params and AdamW moments sharded per the logical-axis rules), after the memory plan says it fits;
     restored from the latest checkpoint when `resume` and one exists. The step function is the GRPO
     step, or the SFT step (one update per step) for `kind: sft`."""
+    # Refuse before the first parameter exists (this host's share of `devices`).
+    check_spec_fits(spec, [d for d in devices if d.process_index == jax.process_index()], jax.process_count())
     policy = load_policy(spec)
-    mesh = make_mesh(devices)
+    mesh = make_mesh(devices, fsdp=spec.placement.fsdp, tensor=spec.placement.tensor)
     sft = spec.kind == "sft"
     optimizer = make_optimizer(spec.optim, spec.steps, 1 if sft else spec.algo.num_iterations)
     state = init_train_state(shard_state(policy.params, mesh), optimizer, seed=spec.seed)
-    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+    state = jax.device_put(state, train_state_shardings(state, optimizer, mesh))
     # A copy: the train step donates the state's buffers.
     reference_params = jax.tree.map(jnp.copy, state.params) if not sft and spec.algo.kl_coef > 0 else None
     checkpoints = Checkpointer(spec.checkpoint.dir or checkpoint_dir, every=spec.checkpoint.every,
@@ -221,13 +217,24 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
             state = restored[0]
             start_step = int(jax.device_get(state.step))
     if sft:
-        train_step = make_sft_step(policy.graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size, mesh=mesh)
+        train_step = make_sft_step(policy.graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size, mesh=mesh,
+                                   remat=spec.model.remat)
     else:
         train_step = make_train_step(policy.graphdef, optimizer, spec.algo, temperature=train_temperature(spec),
-                                     mesh=mesh)
+                                     mesh=mesh, remat=spec.model.remat)
     data = load_task_data(spec.task, spec.eval)
     return Trainer(policy, data.train, mesh, state, train_step, checkpoints, start_step, reference_params,
                    data.held_out)
+
+
+def train_state_shardings(state: TrainState, optimizer, mesh: jax.sharding.Mesh) -> TrainState:
+    """Params and every params-shaped part of the optimizer state sharded per the model's logical-axis
+    rules (FSDP/tensor on those mesh axes); the step counter, key and scalars replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
+    opt_shardings = optax.tree_map_params(optimizer.tx, lambda _, sharding: sharding, state.opt_state,
+                                          param_shardings, transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
 
 
 def train_temperature(spec: RunSpec) -> float:

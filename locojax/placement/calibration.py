@@ -21,9 +21,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
+from locojax import contract as c
+from locojax.contract import METRICS_FILE, SPEC_FILE
 from locojax.model.config import PRESETS
 from locojax.placement.cost_model import (
     HOST_CONSTANTS,
+    MODE_COSTS,
     NETWORK_CONSTANTS,
     ModelSize,
     Placement,
@@ -64,8 +67,8 @@ class MeasuredRun:
 def load_run(run_dir: str | Path) -> MeasuredRun:
     """A run directory written by the engine: `spec.yaml` and `metrics.jsonl`."""
     run_dir = Path(run_dir)
-    spec = load_spec(run_dir / "spec.yaml")
-    metrics_path = run_dir / "metrics.jsonl"
+    spec = load_spec(run_dir / SPEC_FILE)
+    metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         raise ValueError(f"{metrics_path}: not found")
     records = []
@@ -94,14 +97,14 @@ class StepMeasurement:
     completion_len_mean: float | None = None
 
 
-_METRIC_KEYS = {"step_s": "time/step", "device_s": "time/device", "host_s": "time/host", "network_s": "time/network"}
+_METRIC_KEYS = {"step_s": c.TIME_STEP, "device_s": c.TIME_DEVICE, "host_s": c.TIME_HOST, "network_s": c.TIME_NETWORK}
 
 
 def _saving(record: Mapping[str, Any], key: str) -> float:
     """The checkpoint save inside a step's `time/step` and `time/host` (the engine counts it as host
     time): the cost model predicts steps without saves, and a run's last step always saves one."""
-    if key in ("time/step", "time/host"):
-        return float(record.get("time/checkpoint") or 0.0)
+    if key in (c.TIME_STEP, c.TIME_HOST):
+        return float(record.get(c.TIME_CHECKPOINT) or 0.0)
     return 0.0
 
 
@@ -132,7 +135,7 @@ def summarize(records: Sequence[Mapping[str, Any]], skip_steps: int = DEFAULT_SK
         medians[field] = statistics.median(values) if values else math.nan
     if math.isnan(medians["step_s"]):
         raise ValueError("metric records have no 'time/step'")
-    lengths = per_step("completion/len_mean")
+    lengths = per_step(c.COMPLETION_LEN_MEAN)
     return StepMeasurement(steps=len(steps), completion_len_mean=statistics.median(lengths) if lengths else None,
                            **medians)
 
@@ -151,7 +154,8 @@ def workload_for_spec(spec: RunSpec, completion_len_mean: float | None = None) -
 
 def placement_for_spec(spec: RunSpec) -> Placement:
     p = spec.placement
-    fraction = (p.rollout_fraction if p.rollout_fraction is not None else 0.5) if p.mode == "da" else None
+    fraction = (p.rollout_fraction if p.rollout_fraction is not None else 0.5) \
+        if MODE_COSTS.get(p.mode).rollout_groups else None
     return Placement(p.mode, p.hosts * p.devices_per_host, p.devices_per_host, fraction)
 
 

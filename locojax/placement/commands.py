@@ -124,9 +124,8 @@ def probe_command(
                            f"{kernel['s'] * 1e3:.1f} ms (wall {kernel['wall_s'] * 1e3:.1f} ms)")
         else:
             typer.echo(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
-    for layout in ("measured_rates", "controller_rates"):
-        for width, rates in result["profile"][layout].items():
-            typer.echo(f"{layout:>22}: d_model {width}: " + ", ".join(f"{k} {v:.4g}" for k, v in rates.items()))
+    for width, rates in result["profile"]["measured_rates"].items():
+        typer.echo(f"{'measured_rates':>22}: d_model {width}: " + ", ".join(f"{k} {v:.4g}" for k, v in rates.items()))
     typer.echo(f"wrote {path}")
 
 

@@ -34,8 +34,9 @@ Modelling choices, each a plain physical statement:
     softmax over dense static-shape caches: `*_attention_efficiency`), per-sequence decode work that
     is no matmul (sampling over the vocabulary: `decode_row_overhead_s`) and fixed per-step costs.
     Those rates include their memory traffic, so decode is compute-bound, not roofline-bound. Chips
-    share the machine's cores; SC's controller, one process driving every device, has its own
-    measured rates (`controller_rates`); a host's CPU is its chip, so DA's rollout hosts score after
+    share the machine's cores, one process per host in every mode (SC's controller holds no device:
+    its workers own them, so SC's devices run at the same pinned rates as CO's); a host's CPU is its
+    chip, so DA's rollout hosts score after
     decoding rather than during it; `device_time_scale` is how much other work on the machine slows it.
 
 The constants marked "assumption" in `hardware.py` and `workloads.py` (decode granularity, native
@@ -51,11 +52,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
 from locojax.model.config import ModelConfig, param_count
 from locojax.placement.hardware import HardwareProfile
 from locojax.placement.workloads import WorkloadProfile
+from locojax.registry import Registry
 
 Mode = Literal["sc", "co", "da"]
 MODES: tuple[Mode, ...] = ("sc", "co", "da")
@@ -99,13 +101,13 @@ class Placement:
     rollout_fraction: float | None = None  # DA only: share of hosts doing rollout
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
+        if self.mode not in MODE_COSTS:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.chips < 1 or self.chips_per_host < 1:
             raise ValueError(f"chips ({self.chips}) and chips_per_host ({self.chips_per_host}) must be positive")
         if self.chips % self.chips_per_host:
             raise ValueError(f"chips ({self.chips}) must be divisible by chips_per_host ({self.chips_per_host})")
-        if self.mode == "da":
+        if MODE_COSTS.get(self.mode).rollout_groups:
             if self.rollout_fraction is None or not 0 < self.rollout_fraction < 1:
                 raise ValueError(f"rollout_fraction must be in (0, 1) for DA, got {self.rollout_fraction}")
             if not 1 <= self.rollout_hosts <= self.hosts - 1:
@@ -336,7 +338,7 @@ def decode_context(hardware: HardwareProfile, workload: WorkloadProfile) -> floa
 
 
 def _dispatch_host_terms(mode: Mode, dispatches: float, hosts: int) -> dict[str, float]:
-    if mode == "sc":
+    if MODE_COSTS.get(mode).single_controller:
         return {"controller_round_trip_s": dispatches, "controller_round_trip_per_host_s": dispatches * hosts}
     return {"dispatch_s": dispatches}
 
@@ -404,6 +406,14 @@ def all_reduce_terms(hardware: HardwareProfile, size_bytes: float, chips: int, c
     network["dcn_s_per_byte"] = 2 * (hosts - 1) / hosts * size_bytes
     network["dcn_latency_s"] = 2 * (hosts - 1)
     return Terms(network=network)
+
+
+def cpu_sharing(hardware: HardwareProfile, busy_hosts: int) -> float:
+    """How much slower a host's CPU work runs while `busy_hosts` hosts work at once: on a shared machine
+    with fewer cores than busy hosts they share the cores (4 hosts on 2 cores: half a core each)."""
+    if not hardware.shared_machine or hardware.machine_cores is None:
+        return 1.0
+    return max(1.0, busy_hosts / hardware.machine_cores)
 
 
 def reward_terms(workload: WorkloadProfile, samples_on_one_host: float) -> Terms:
@@ -493,23 +503,26 @@ def estimate_step(model: ModelSize | ModelConfig, hardware: HardwareProfile, wor
     """Predicted step time of `placement`; raises `InfeasiblePlacement` if the model does not fit."""
     if isinstance(model, ModelConfig):
         model = ModelSize.from_config(model)
-    # Measured per-width rates; on a shared machine SC's one controller process drives every device.
-    hardware = hardware.rates_for(model.d_model, controller=placement.mode == "sc" and hardware.shared_machine)
-    if placement.mode == "da":
-        return _estimate_da(model, hardware, workload, placement)
-    return _estimate_colocated(model, hardware, workload, placement)
+    # Measured per-width rates. Every mode's devices run in one process per host, pinned to its cores
+    # (SC's workers too, since issue 19): the pinned layout's rates apply to all of them.
+    cost = MODE_COSTS.get(placement.mode)
+    hardware = hardware.rates_for(model.d_model)
+    return cost.estimate(model, hardware, workload, placement)
 
 
 def _estimate_colocated(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile,
                         placement: Placement) -> StepEstimate:
     """SC and CO: rollout, reward and training one after another on all chips."""
     mode, chips, hosts = placement.mode, placement.chips, placement.hosts
+    single_controller = MODE_COSTS.get(mode).single_controller
     rollout, shape = rollout_terms(model, hardware, workload, mode, chips, hosts, colocated_train_chips=chips,
                                    busy_chips=chips)
-    if mode == "sc":  # every sample is scored on the controller after the gather
+    if single_controller:  # every sample is scored on the controller after the gather
         reward = reward_terms(workload, workload.samples)
     else:
-        reward = host_local_reward_terms(hardware, workload, workload.samples / hosts, rollout.device_s)
+        # Every host scores at once (SC's controller scores alone while its workers wait).
+        reward = host_local_reward_terms(hardware, workload, workload.samples / hosts * cpu_sharing(hardware, hosts),
+                                         rollout.device_s)
     phases: dict[str, Terms] = {
         "rollout": rollout,
         "reward": reward,
@@ -517,7 +530,7 @@ def _estimate_colocated(model: ModelSize, hardware: HardwareProfile, workload: W
         "allreduce": all_reduce_terms(hardware, hardware.bytes_per_value * model.params, chips,
                                       placement.chips_per_host),
     }
-    if mode == "sc":
+    if single_controller:
         phases["controller_gather"] = controller_gather_terms(workload, hosts)
     elif hosts > 1:
         phases["metrics_gather"] = metrics_gather_terms(hosts)
@@ -534,7 +547,8 @@ def _estimate_da(model: ModelSize, hardware: HardwareProfile, workload: Workload
     # Both groups run at once, so on a shared machine they split it between all the chips.
     rollout, shape = rollout_terms(model, hardware, workload, "da", rollout_chips, rollout_hosts,
                                    colocated_train_chips=None, busy_chips=placement.chips)
-    reward = reward_terms(workload, workload.samples / rollout_hosts)
+    # The rollout hosts score while the train hosts train: every host is busy.
+    reward = reward_terms(workload, workload.samples / rollout_hosts * cpu_sharing(hardware, placement.hosts))
     train = train_terms(model, hardware, workload, "da", train_chips, train_hosts, busy_chips=placement.chips)
     allreduce = all_reduce_terms(hardware, hardware.bytes_per_value * model.params, train_chips, cph)
     # The finished batch moves from the rollout hosts to the train hosts (each receives its share).
@@ -563,6 +577,31 @@ def _estimate_da(model: ModelSize, hardware: HardwareProfile, workload: Workload
         "overlap_hidden": -min(rollout_branch_s, train_branch_s),
     }
     return _finish(placement, hardware, critical, breakdown, shape, breakdown["rollout"])
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeCost:
+    """The cost model's entry for one mode. A mode's definition (`locojax.modes.ModeDef.cost_entry`)
+    names its entry here: placement never imports the modes, so the costs live with the model."""
+
+    name: str
+    estimate: Callable[[ModelSize, HardwareProfile, WorkloadProfile, Placement], StepEstimate]
+    single_controller: bool = False  # one process dispatches every computation and scores every sample
+    rollout_groups: bool = False  # hosts split into rollout and train groups (needs rollout_fraction)
+
+    def label(self, rollout_fraction: float | None, digits: int = 0, suffix: str = "") -> str:
+        """How a recommendation names a placement's mode: "CO", or "DA 75%" + suffix with its split."""
+        if self.rollout_groups:
+            return f"{self.name.upper()} {rollout_fraction:.{digits}%}{suffix}"
+        return self.name.upper()
+
+
+MODE_COSTS: Registry[ModeCost] = Registry("placement mode")
+MODE_COSTS.register("sc")(ModeCost("sc", _estimate_colocated, single_controller=True))
+MODE_COSTS.register("co")(ModeCost("co", _estimate_colocated))
+MODE_COSTS.register("da")(ModeCost("da", _estimate_da, rollout_groups=True))
 
 
 def _finish(placement: Placement, hardware: HardwareProfile, critical: Terms, breakdown: dict[str, float],

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 from locojax.model.config import PRESETS
-from locojax.placement.cost_model import FITTED_KNOBS, FittedKnob, ModelSize, Placement, estimate_step
+from locojax.placement.cost_model import FITTED_KNOBS, MODE_COSTS, FittedKnob, ModelSize, Placement, estimate_step
 from locojax.placement.hardware import HARDWARE, HardwareProfile
 from locojax.placement.workloads import WORKLOADS, WorkloadProfile
 
@@ -116,7 +116,7 @@ def da_three_quarters_wins_on_numina(setting: Setting) -> tuple[bool, str]:
     gain = 1 - setting.step("da", 256, "numina-cot", 0.75).step_s / setting.step("co", 256, "numina-cot").step_s
     holds = 0.10 <= gain <= 0.20 and (choice.mode, choice.chips, choice.rollout_fraction) == ("da", 256, 0.75)
     def label(placement: Placement) -> str:
-        mode = f"DA {placement.rollout_fraction:.1%}" if placement.mode == "da" else placement.mode.upper()
+        mode = MODE_COSTS.get(placement.mode).label(placement.rollout_fraction, digits=1)
         return f"{mode} on {placement.chips} chips"
 
     margin = ranked[1].step_s / ranked[0].step_s - 1  # how close the pick is to losing it

@@ -57,7 +57,7 @@ ICI_HOP_LATENCY_S = 1e-6
 PCIE_BANDWIDTH = 15 * GB
 
 
-# The fields a per-width entry of `HardwareProfile.measured_rates` / `controller_rates` may set.
+# The fields a per-width entry of `HardwareProfile.measured_rates` may set.
 RATE_FIELDS = ("peak_flops", "train_mfu", "decode_mfu", "prefill_mfu", "train_attention_efficiency",
                "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s", "train_step_overhead_s",
                "train_scored_token_overhead_s")
@@ -118,6 +118,10 @@ class HardwareProfile:
     # cache slot under a mask, as locojax.rollout does).
     decode_attention: str = "ragged"
     shared_machine: bool = False
+    # A shared machine's cores, which every simulated host's CPU work (scoring, detokenising) shares:
+    # with more hosts busy at once than cores, each host's CPU work runs at cores/hosts of one core.
+    # None: each host has CPUs of its own (every real cluster).
+    machine_cores: int | None = None
     # --- CPU-style device terms (all neutral on accelerators, where the roofline above is the model) ---
     # Decode's parameter matmuls run at `decode_mfu * peak_flops` (1: the roofline's compute bound).
     decode_mfu: float = 1.0
@@ -137,10 +141,9 @@ class HardwareProfile:
     rates_include_memory: bool = False
     # Measured per-width rates: {str(d_model): {field: value}} for the rate fields above (and
     # peak_flops, train_mfu, the step overheads). A model takes the entry of the nearest width (in
-    # log scale). `controller_rates` holds the same for one process driving every device of the
-    # machine (the SC layout); without it SC uses `measured_rates`.
+    # log scale). Every mode's processes, SC's workers included, own one pinned core's device each, so
+    # one table serves them all.
     measured_rates: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
-    controller_rates: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
     # How much slower than its measured rates the machine runs now: other work competing for its cores
     # (`locojax.placement.probe.contention`). Device times are multiplied by it, and on a shared machine
     # host and loopback-network times too (the same cores). 1 for a machine of one's own.
@@ -162,18 +165,19 @@ class HardwareProfile:
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")
+        if self.machine_cores is not None and self.machine_cores < 1:
+            raise ValueError(f"HardwareProfile.machine_cores must be at least 1, got {self.machine_cores}")
         if self.prefill_mfu is not None and not 0 < self.prefill_mfu <= 1:
             raise ValueError(f"HardwareProfile.prefill_mfu must be in (0, 1], got {self.prefill_mfu}")
         for field in ("train_mfu", "decode_mfu", "train_attention_efficiency", "decode_attention_efficiency"):
             if getattr(self, field) > 1:
                 raise ValueError(f"HardwareProfile.{field} must be at most 1, got {getattr(self, field)}")
-        for table in ("measured_rates", "controller_rates"):
-            for width, rates in getattr(self, table).items():
-                if not str(width).isdigit():
-                    raise ValueError(f"HardwareProfile.{table}: keys are model widths (d_model), got {width!r}")
-                unknown = sorted(set(rates) - set(RATE_FIELDS))
-                if unknown:
-                    raise ValueError(f"HardwareProfile.{table}[{width}]: not rate fields: {', '.join(unknown)}")
+        for width, rates in self.measured_rates.items():
+            if not str(width).isdigit():
+                raise ValueError(f"HardwareProfile.measured_rates: keys are model widths (d_model), got {width!r}")
+            unknown = sorted(set(rates) - set(RATE_FIELDS))
+            if unknown:
+                raise ValueError(f"HardwareProfile.measured_rates[{width}]: not rate fields: {', '.join(unknown)}")
         if self.decode_attention not in ("ragged", "dense"):
             raise ValueError(f"HardwareProfile.decode_attention must be 'ragged' or 'dense', got {self.decode_attention!r}")
         if self.decode_tokens_per_dispatch is not None and self.decode_tokens_per_dispatch < 1:
@@ -182,12 +186,9 @@ class HardwareProfile:
     def replace(self, **changes: Any) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)
 
-    def rates_for(self, d_model: int, controller: bool = False) -> "HardwareProfile":
-        """This profile with the measured rates of the nearest width applied (itself when none are).
-
-        `controller`: the layout where one process drives every device (SC on a shared machine).
-        """
-        table = (self.controller_rates or self.measured_rates) if controller else self.measured_rates
+    def rates_for(self, d_model: int) -> "HardwareProfile":
+        """This profile with the measured rates of the nearest width applied (itself when none are)."""
+        table = self.measured_rates
         if not table:
             return self
         width = min(table, key=lambda key: abs(math.log(int(key) / d_model)))
@@ -304,11 +305,6 @@ LOCAL_CPU = HardwareProfile(
     train_step_overhead_s=18e-3,
     train_scored_token_overhead_s=10e-6,
     rates_include_memory=True,
-    # SC's controller: one process driving both cores' devices (rates per device, same convention).
-    controller_rates={"64": {"peak_flops": 215e9, "train_mfu": 1.0, "decode_mfu": 1.0, "prefill_mfu": 0.365,
-                             "train_attention_efficiency": 0.28, "decode_attention_efficiency": 0.069,
-                             "decode_row_overhead_s": 12.7e-6, "decode_step_overhead_s": 18.6e-6,
-                             "train_step_overhead_s": 14.8e-3, "train_scored_token_overhead_s": 12.5e-6}},
     hbm_bytes=4 * GB,  # assumption: what a test run may use of the machine's RAM
     hbm_bandwidth=8.7 * GB,  # probe: a streaming x * 2 over 64 MB
     ici_bandwidth=8.7 * GB,  # devices of one process exchange through shared memory
@@ -331,6 +327,7 @@ LOCAL_CPU = HardwareProfile(
     decode_tokens_per_dispatch=None,  # LoCoJAX's rollout is one lax.while_loop per rollout (DESIGN.md)
     decode_attention="dense",  # locojax.rollout attends all prompt + max_new_tokens cache slots
     shared_machine=True,
+    machine_cores=2,  # the probe writes the cores it found
     sources={"rates": _PROBED_2_CORE, "bandwidths": _PROBED_2_CORE, "dcn": _PROBED_2_CORE,
              "dispatch_s": _PROBED_2_CORE, "reward_cpu_scale": _PROBED_2_CORE,
              "other": "assumptions, marked inline"},

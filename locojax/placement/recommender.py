@@ -9,12 +9,13 @@ decision.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from locojax.model.config import PRESETS
 from locojax.placement.cost_model import (
+    MODE_COSTS,
     InfeasiblePlacement,
     ModelSize,
     Placement,
@@ -22,7 +23,9 @@ from locojax.placement.cost_model import (
     estimate_step,
 )
 from locojax.placement.hardware import HARDWARE, HardwareProfile
+from locojax.placement.memory import GiB, MemoryPlan, MemoryPlanError, fit_plan
 from locojax.placement.workloads import WORKLOADS, WorkloadProfile
+from locojax.registry import Registry
 
 # DA rollout fractions searched: quarter to seven eighths of the hosts.
 ROLLOUT_FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
@@ -96,20 +99,29 @@ class PlacementOption(BaseModel):
     host_s: float
     network_s: float
     breakdown: dict[str, float]  # seconds per phase; sums to step_time_s (DA overlap enters negatively)
+    # The per-host training mesh, dtype and remat policy the memory plan fits HBM with (RunSpec
+    # placement.fsdp/tensor, model.dtype, model.remat), and that plan's peak per chip.
+    fsdp: int = 1
+    tensor: int = 1
+    dtype: str = "float32"
+    remat: str = "none"
+    memory_per_chip_gib: float | None = None
 
     @classmethod
-    def from_estimate(cls, estimate: StepEstimate) -> "PlacementOption":
+    def from_estimate(cls, estimate: StepEstimate, plan: MemoryPlan | None = None) -> "PlacementOption":
         placement = estimate.placement
+        memory = {} if plan is None else dict(
+            fsdp=plan.mesh.fsdp, tensor=plan.mesh.tensor, dtype=plan.dtype, remat=plan.remat,
+            memory_per_chip_gib=plan.peak_bytes / GiB)
         return cls(mode=placement.mode, chips=placement.chips, hosts=placement.hosts,
                    rollout_fraction=placement.rollout_fraction, step_time_s=estimate.step_s,
                    device_s=estimate.device_s, host_s=estimate.host_s, network_s=estimate.network_s,
-                   breakdown=dict(estimate.breakdown))
+                   breakdown=dict(estimate.breakdown), **memory)
 
     @property
     def label(self) -> str:
-        if self.mode == "da":
-            return f"DA {self.rollout_fraction:.0%} rollout, {self.chips} chips"
-        return f"{self.mode.upper()} {self.chips} chips"
+        mode = MODE_COSTS.get(self.mode).label(self.rollout_fraction, suffix=" rollout,")
+        return f"{mode} {self.chips} chips"
 
 
 class Recommendation(BaseModel):
@@ -119,6 +131,7 @@ class Recommendation(BaseModel):
     options: list[PlacementOption]  # ranked, best first
     choice: PlacementOption
     reason: str  # one sentence with the numbers behind the choice
+    memory: str = ""  # the choice's memory plan per chip (locojax.placement.memory), one line
 
 
 def candidate_placements(chips: int, chips_per_host: int) -> list[Placement]:
@@ -177,9 +190,35 @@ def recommend(request: PlacementRequest, hardware_profile: HardwareProfile | Non
     if not estimates:
         raise ValueError(f"model {request.model!r} does not fit {request.chips} {hardware.name} chip(s) "
                          f"with workload {request.workload!r}; ask for more chips")
-    options = [PlacementOption.from_estimate(e) for e in estimates]
+    # Only placements whose memory plan fits HBM are recommended; the first option must be one.
+    plans: list[MemoryPlan | None] = []
+    refusal = None
+    for estimate in estimates:
+        try:
+            plans.append(memory_plan(request, hardware, workload, estimate.placement))
+        except MemoryPlanError as exc:
+            plans.append(None)
+            refusal = refusal or exc
+    fitting = [(e, p) for e, p in zip(estimates, plans) if p is not None]
+    if not fitting:
+        raise MemoryPlanError(f"no placement of {request.model!r} within {request.chips} {hardware.name} chip(s) "
+                              f"fits HBM: {refusal}")
+    estimates = [e for e, _ in fitting]
+    options = [PlacementOption.from_estimate(e, p) for e, p in fitting]
     return Recommendation(request=request, options=options, choice=options[0],
-                          reason=explain(estimates, request.chips))
+                          reason=explain(estimates, request.chips), memory=fitting[0][1].summary())
+
+
+def memory_plan(request: PlacementRequest, hardware: HardwareProfile, workload: WorkloadProfile,
+                placement: Placement) -> MemoryPlan:
+    """The first plan that fits one chip's HBM for `placement`: a host's training rows are the step's
+    samples over the hosts that train; its chips shard the model as little as fits (fsdp before
+    tensor), remat before bfloat16 (on profiles that run bfloat16 at all)."""
+    rows_per_host = -(-workload.samples // placement.train_hosts)
+    dtypes = ("float32", "bfloat16") if hardware.bytes_per_value == 2 else ("float32",)
+    return fit_plan(PRESETS[request.model], devices_per_host=placement.chips_per_host,
+                    capacity_bytes=hardware.hbm_bytes, capacity_name=f"{hardware.name} HBM", dtypes=dtypes,
+                    rows_per_host=rows_per_host, prompt_len=workload.prompt_len, new_len=workload.gen_len)
 
 
 def _best(estimates: list[StepEstimate], mode: str, chips: int | None = None) -> StepEstimate | None:
@@ -191,34 +230,53 @@ def explain(estimates: list[StepEstimate], chip_budget: int) -> str:
     """One sentence with numbers: why the first estimate beats the alternatives."""
     choice = estimates[0]
     chips = choice.placement.chips
-    co = _best(estimates, "co", chips)
-    sc = _best(estimates, "sc", chips)
-    da = _best(estimates, "da", chips)
+    best = {mode: _best(estimates, mode, chips) for mode in MODE_COSTS}
     bound = "memory-bound" if choice.rollout_memory_bound else "compute-bound"
     fewer = (f"; more than {chips} of the {chip_budget} chips does not help"
              if chips < chip_budget else "")
-    if choice.placement.mode == "da" and co is not None:
-        saving = 1 - choice.step_s / co.step_s
-        return (f"rollout is {co.rollout_share:.0%} of the CO step and {bound}; giving it "
-                f"{choice.placement.rollout_fraction:.0%} of the {choice.placement.hosts} hosts overlaps training "
-                f"and saves {saving:.0%} ({choice.step_s:.3g} s vs {co.step_s:.3g} s per step){fewer}.")
-    if choice.placement.mode == "co":
-        parts = [f"CO on {chips} chip{'s' if chips != 1 else ''} is fastest at {choice.step_s:.3g} s per step: rollout is "
-                 f"{choice.rollout_share:.0%} of the step and {bound}"]
-        if da is not None and da.step_s > choice.step_s:
-            parts.append(f"the best DA split ({da.placement.rollout_fraction:.0%} rollout hosts) is "
-                         f"{da.step_s / choice.step_s - 1:.0%} slower because dividing the chips and pushing "
-                         f"weights costs more than the overlap hides")
-        elif da is not None:
-            parts.append(f"DA ({da.placement.rollout_fraction:.0%} rollout hosts) is within "
-                         f"{TIE_TOLERANCE:.0%}, not worth a second process group")
-        if sc is not None:
-            ratio = sc.step_s / choice.step_s
-            slower = f"{ratio:.2g}x slower" if ratio >= 1.1 else f"only {ratio - 1:.0%} slower"
-            parts.append(f"the single controller is {slower} ({sc.host_s / sc.step_s:.0%} of its step is host "
-                         f"orchestration)")
-        return "; ".join(parts) + fewer + "."
+    return WHY_IT_WINS.get(choice.placement.mode)(choice, best, bound, fewer)
+
+
+Explanation = Callable[[StepEstimate, dict[str, StepEstimate | None], str, str], str]
+# Per winning mode: the sentence that says why it wins (choice, best estimate per mode, bound, fewer).
+WHY_IT_WINS: Registry[Explanation] = Registry("placement explanation")
+
+
+@WHY_IT_WINS.register("da")
+def _why_da(choice: StepEstimate, best: dict[str, StepEstimate | None], bound: str, fewer: str) -> str:
+    co = best["co"]
+    if co is None:
+        return _why_sc(choice, best, bound, fewer)
+    saving = 1 - choice.step_s / co.step_s
+    return (f"rollout is {co.rollout_share:.0%} of the CO step and {bound}; giving it "
+            f"{choice.placement.rollout_fraction:.0%} of the {choice.placement.hosts} hosts overlaps training "
+            f"and saves {saving:.0%} ({choice.step_s:.3g} s vs {co.step_s:.3g} s per step){fewer}.")
+
+
+@WHY_IT_WINS.register("co")
+def _why_co(choice: StepEstimate, best: dict[str, StepEstimate | None], bound: str, fewer: str) -> str:
+    chips, da, sc = choice.placement.chips, best["da"], best["sc"]
+    parts = [f"CO on {chips} chip{'s' if chips != 1 else ''} is fastest at {choice.step_s:.3g} s per step: rollout is "
+             f"{choice.rollout_share:.0%} of the step and {bound}"]
+    if da is not None and da.step_s > choice.step_s:
+        parts.append(f"the best DA split ({da.placement.rollout_fraction:.0%} rollout hosts) is "
+                     f"{da.step_s / choice.step_s - 1:.0%} slower because dividing the chips and pushing "
+                     f"weights costs more than the overlap hides")
+    elif da is not None:
+        parts.append(f"DA ({da.placement.rollout_fraction:.0%} rollout hosts) is within "
+                     f"{TIE_TOLERANCE:.0%}, not worth a second process group")
+    if sc is not None:
+        ratio = sc.step_s / choice.step_s
+        slower = f"{ratio:.2g}x slower" if ratio >= 1.1 else f"only {ratio - 1:.0%} slower"
+        parts.append(f"the single controller is {slower} ({sc.host_s / sc.step_s:.0%} of its step is host "
+                     f"orchestration)")
+    return "; ".join(parts) + fewer + "."
+
+
+@WHY_IT_WINS.register("sc")
+def _why_sc(choice: StepEstimate, best: dict[str, StepEstimate | None], bound: str, fewer: str) -> str:
     # SC wins only when orchestration is cheap relative to the device work (large models).
+    co = best["co"]
     versus = f", {co.step_s / choice.step_s - 1:.1%} ahead of CO" if co is not None else ""
     return (f"the single controller is fastest at {choice.step_s:.3g} s per step{versus}: host orchestration "
             f"is only {choice.host_s / choice.step_s:.0%} of its step{fewer}.")

@@ -16,6 +16,8 @@ from server.db import Database
 from server.errors import ApiError
 from server.models import Run, RunStatus
 from server.schemas import EventLevel, EventPublic, EventsAccepted, EventsCreate, EventsPublic
+from server.api.deps import source_name
+from server.services import attempts
 from server.services import events as event_service
 from server.services import runs as run_service
 
@@ -30,14 +32,18 @@ class EventBatchTooLargeError(ApiError):
     code = "BATCH_TOO_LARGE"
 
 
-@router.post("", response_model=EventsAccepted, responses=errors(401, 403, 404, 413, 422))
+@router.post("", response_model=EventsAccepted, responses=errors(401, 403, 404, 409, 413, 422))
 def append_events(run_id: RunId, body: EventsCreate, session: SessionDep, settings: SettingsDep,
-                  _: WorkerToken) -> EventsAccepted:
-    """Append log lines; events carrying a (source, seq) already stored are skipped, so retries are safe."""
+                  token: WorkerToken) -> EventsAccepted:
+    """Append log lines of a current-attempt host process; events carrying a seq already stored for that
+    process are skipped, so retries are safe. The server sets each event's `source` (`host<index>` of the
+    reporting process) and `ts`; a stale attempt or a finished run is a 409."""
     if len(body.events) > settings.events_batch_max:
         raise EventBatchTooLargeError(f"{len(body.events)} events in one request; the limit is {settings.events_batch_max}")
-    run_service.get(session, run_id)
-    return EventsAccepted(run_id=run_id, accepted=event_service.append(session, run_id, body.events))
+    run = run_service.get(session, run_id)
+    process = attempts.reporting_process(session, run, token, body.attempt, "events", body.host_name)
+    source = f"host{process.process_index}" if process is not None else source_name(token)
+    return EventsAccepted(run_id=run_id, accepted=event_service.append(session, run_id, body.events, source=source))
 
 
 @router.get("", response_model=EventsPublic, responses=errors(401, 404, 422))

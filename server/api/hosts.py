@@ -8,6 +8,7 @@ from fastapi import APIRouter, Path, Response, status
 
 from server.api.deps import API_PREFIX, ReadToken, SessionDep, SettingsDep, WorkerToken, errors
 from server.schemas import HostHeartbeat, HostName, HostPublic, HostRegister, HostsPublic
+from server.services import authorization
 from server.services import hosts as host_service
 
 router = APIRouter(prefix=f"{API_PREFIX}/hosts", tags=["hosts"], responses=errors(401, 403, 422))
@@ -15,16 +16,20 @@ router = APIRouter(prefix=f"{API_PREFIX}/hosts", tags=["hosts"], responses=error
 HostNamePath = Annotated[HostName, Path()]
 
 
-@router.post("", response_model=HostPublic)
-def register_host(body: HostRegister, session: SessionDep, settings: SettingsDep, _: WorkerToken) -> HostPublic:
-    """Idempotent; a worker calls it on every start. Counts as a heartbeat."""
+@router.post("", response_model=HostPublic, responses=errors(409))
+def register_host(body: HostRegister, session: SessionDep, settings: SettingsDep, token: WorkerToken) -> HostPublic:
+    """Idempotent; a worker calls it on every start. Counts as a heartbeat. Only for a host the token is
+    bound to (403 HOST_NOT_BOUND); 409 HOST_IN_USE while another worker instance still heartbeats it."""
+    authorization.check_host(token, body.name)
+    host_service.check_takeover(session, body, settings)
     return host_service.to_public(host_service.register(session, body), settings)
 
 
 @router.post("/{name}/heartbeat", response_model=HostPublic, responses=errors(404))
-def heartbeat(name: HostNamePath, session: SessionDep, settings: SettingsDep, _: WorkerToken,
+def heartbeat(name: HostNamePath, session: SessionDep, settings: SettingsDep, token: WorkerToken,
               body: HostHeartbeat | None = None) -> HostPublic:
     """404 for an unknown host: the worker registers again (e.g. after the database was reset)."""
+    authorization.check_host(token, name)
     return host_service.to_public(host_service.heartbeat(session, name, body.info if body else None), settings)
 
 
@@ -39,7 +44,8 @@ def get_host(name: HostNamePath, session: SessionDep, settings: SettingsDep, _: 
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response, responses=errors(404, 409))
-def remove_host(name: HostNamePath, session: SessionDep, _: WorkerToken) -> Response:
+def remove_host(name: HostNamePath, session: SessionDep, token: WorkerToken) -> Response:
     """Deregister a host that holds no reservation (a worker shutting down cleanly)."""
+    authorization.check_host(token, name)
     host_service.remove(session, name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -21,16 +21,21 @@ from server.schemas import (
     MetricsBatch,
     MetricSummary,
 )
+from server.services import attempts
 from server.services import metrics as metric_service
+from server.services import runs as run_service
 
 router = APIRouter(prefix=API_PREFIX + "/runs/{run_id}/metrics", tags=["metrics"], responses=errors(401, 403, 404, 422))
 
 
-@router.post("", response_model=IngestResult, responses=errors(413))
+@router.post("", response_model=IngestResult, responses=errors(409, 413))
 def ingest_metrics(run_id: RunId, body: MetricsBatch, request: Request, session: SessionDep,
-                   settings: SettingsDep, _: WorkerToken) -> IngestResult:
+                   settings: SettingsDep, token: WorkerToken) -> IngestResult:
     """Upsert a batch of per-step values, idempotent on (run, step, host, key). Validated as a whole
-    first: one bad value rejects the batch and writes nothing."""
+    first: one bad value rejects the batch and writes nothing. Only from a host with a process in the
+    run's current attempt (403); a stale attempt or a finished run is a 409."""
+    attempts.reporting_process(session, run_service.get(session, run_id), token, body.attempt, "metrics",
+                               body.host_name)
     written = metric_service.ingest(session, run_id, body, max_values=settings.metrics_batch_max_values,
                                      max_keys=settings.metric_keys_per_run_max)
     request.app.state.prometheus.metric_values.inc(written)

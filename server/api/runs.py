@@ -9,6 +9,7 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 from server.api.deps import (
     API_PREFIX,
     MAX_INT32,
+    AdminToken,
     ReadToken,
     RunId,
     SessionDep,
@@ -29,6 +30,7 @@ from server.schemas import (
     RunsPublic,
     RunTransition,
 )
+from server.services import attempts, authorization, host_reports
 from server.services import runs as run_service
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs", tags=["runs"], responses=errors(401, 403, 422))
@@ -36,7 +38,8 @@ router = APIRouter(prefix=f"{API_PREFIX}/runs", tags=["runs"], responses=errors(
 IdempotencyKey = Annotated[
     str | None,
     Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
-           description="same key + same body returns the same run; same key + another body is a 409"),
+           description="same key + same body from the same token returns the same run; same key + another body "
+                       "is a 409; keys of other tokens are never seen"),
 ]
 
 
@@ -47,7 +50,7 @@ def create_run(body: RunCreate, session: SessionDep, settings: SettingsDep, toke
                request: Request, idempotency_key: IdempotencyKey = None) -> RunPublic:
     """Submit a run (QUEUED). Spec errors are 422s naming the field path; nothing is written then."""
     run, created = run_service.create(session, body.spec, settings, idempotency_key=idempotency_key,
-                                      created_by=token.name)
+                                      created_by=token.name, owner_token_id=token.id)
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/api/v1/runs/{run.id}"
@@ -78,7 +81,9 @@ def get_run(run_id: RunId, session: SessionDep, _: ReadToken) -> RunPublic:
 @router.post("/{run_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=RunPublic,
              responses=errors(404, 409))
 def cancel_run(run_id: RunId, session: SessionDep, token: SubmitToken, request: Request) -> RunPublic:
-    """QUEUED -> CANCELLED at once; a started run goes CANCELLING and stops at its next step boundary."""
+    """QUEUED -> CANCELLED at once; a started run goes CANCELLING and stops at its next step boundary.
+    Only the token that submitted the run, or an admin (403 RUN_NOT_OWNED otherwise)."""
+    authorization.check_run_owner(token, run_service.get(session, run_id), "cancel")
     run = RunPublic.model_validate(run_service.cancel(session, run_id, by=token.name))
     wake_scheduler(request)
     return run
@@ -87,7 +92,9 @@ def cancel_run(run_id: RunId, session: SessionDep, token: SubmitToken, request: 
 @router.post("/{run_id}/resume", status_code=status.HTTP_202_ACCEPTED, response_model=RunPublic,
              responses=errors(404, 409))
 def resume_run(run_id: RunId, session: SessionDep, token: SubmitToken, request: Request) -> RunPublic:
-    """FAILED or CANCELLED -> QUEUED as a new attempt that continues from the last checkpoint."""
+    """FAILED or CANCELLED -> QUEUED as a new attempt that continues from the last checkpoint.
+    Only the token that submitted the run, or an admin (403 RUN_NOT_OWNED otherwise)."""
+    authorization.check_run_owner(token, run_service.get(session, run_id), "resume")
     run = RunPublic.model_validate(run_service.resume(session, run_id, by=token.name))
     wake_scheduler(request)
     return run
@@ -95,8 +102,10 @@ def resume_run(run_id: RunId, session: SessionDep, token: SubmitToken, request: 
 
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
                responses=errors(404, 409))
-def delete_run(run_id: RunId, session: SessionDep, _: SubmitToken) -> Response:
-    """Only finished runs (SUCCEEDED, FAILED, CANCELLED); deletes their metrics and events too."""
+def delete_run(run_id: RunId, session: SessionDep, token: SubmitToken) -> Response:
+    """Only finished runs (SUCCEEDED, FAILED, CANCELLED); deletes their metrics and events too. Only the
+    token that submitted the run, or an admin (403 RUN_NOT_OWNED otherwise)."""
+    authorization.check_run_owner(token, run_service.get(session, run_id), "delete")
     run_service.delete_run(session, run_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -111,25 +120,31 @@ def wake_scheduler(request: Request) -> None:
 # --- worker reports ---------------------------------------------------------------------------------
 
 @router.post("/{run_id}/transitions", response_model=RunPublic, responses=errors(404, 409))
-def report_transition(run_id: RunId, body: RunTransition, session: SessionDep, token: WorkerToken) -> RunPublic:
-    """A worker moves the run along its lifecycle; re-sending the state it is already in is a no-op."""
+def report_transition(run_id: RunId, body: RunTransition, session: SessionDep, token: AdminToken) -> RunPublic:
+    """An operator moves the run along its lifecycle by hand (admin only: workers report their processes,
+    and the server derives the run's state from them); re-sending the current state is a no-op."""
     run = run_service.report_transition(session, run_id, body.to, reason=body.reason, expected=body.expected,
                                         source=source_name(token))
     return RunPublic.model_validate(run)
 
 
-@router.post("/{run_id}/checkpoints", response_model=RunPublic, responses=errors(404))
+@router.post("/{run_id}/checkpoints", response_model=RunPublic, responses=errors(404, 409))
 def report_checkpoint(run_id: RunId, body: CheckpointReport, session: SessionDep, token: WorkerToken) -> RunPublic:
-    """Record a saved checkpoint; `last_checkpoint_step` only moves forward."""
+    """Record a saved checkpoint of the current attempt; `last_checkpoint_step` only moves forward."""
+    attempts.reporting_process(session, run_service.get(session, run_id), token, body.attempt, "checkpoint",
+                               body.host_name)
     return RunPublic.model_validate(run_service.report_checkpoint(session, run_id, body.step, source=source_name(token)))
 
 
-@router.put("/{run_id}/hosts/{process_index}", response_model=RunHostPublic, responses=errors(404))
+@router.put("/{run_id}/hosts/{process_index}", response_model=RunHostPublic, responses=errors(404, 409))
 def upsert_run_host(run_id: RunId, process_index: Annotated[int, Path(ge=0, le=65535)], body: RunHostUpsert,
-                    session: SessionDep, _: WorkerToken, request: Request) -> RunHostPublic:
-    """Create or update the row of one host process (by run, attempt, process index); the run follows
-    (all started -> RUNNING, all exited -> SUCCEEDED, one failed -> RECOVERING or FAILED)."""
-    row = RunHostPublic.model_validate(run_service.upsert_host_process(session, run_id, process_index, body))
+                    session: SessionDep, token: WorkerToken, request: Request) -> RunHostPublic:
+    """Update the row of one host process (by run, attempt, process index) that the scheduler placed on
+    the reporting host; the run follows (all started -> RUNNING, all exited -> SUCCEEDED, one failed ->
+    RECOVERING or FAILED). 409 for a row the scheduler did not place or a stale attempt."""
+    attempts.check_process_report(session, run_service.get(session, run_id), token, process_index, body.attempt,
+                                  body.host_name, body.status)
+    row = RunHostPublic.model_validate(host_reports.upsert_host_process(session, run_id, process_index, body))
     wake_scheduler(request)
     return row
 

@@ -16,7 +16,8 @@ router = APIRouter(prefix=API_PREFIX, tags=["tokens"], responses=errors(401, 403
 @router.post("/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
 def create_token(body: TokenCreate, session: SessionDep, _: AdminToken) -> TokenCreated:
     """The secret is in this response only; the server keeps its hash."""
-    token, secret = token_service.create(session, name=body.name, scopes=body.scopes, expires_in_s=body.expires_in_s)
+    token, secret = token_service.create(session, name=body.name, scopes=body.scopes, expires_in_s=body.expires_in_s,
+                                         hosts=body.hosts)
     return TokenCreated(**TokenPublic.model_validate(token).model_dump(), token=secret)
 
 

@@ -19,21 +19,22 @@ def record(session: Session, run_id: int, message: str, *, level: str = "info", 
     session.add(RunEvent(run_id=run_id, message=message, level=level, source=source, ts=ts or utcnow()))
 
 
-def append(session: Session, run_id: int, events: Sequence[EventCreate]) -> int:
+def append(session: Session, run_id: int, events: Sequence[EventCreate], *, source: str) -> int:
     """Store a batch of worker events in one transaction; repeated (source, seq) pairs are skipped.
 
-    Returns how many were new. Retried batches carry the same seq numbers, so a retry after a lost
-    response stores nothing twice.
+    `source` (who reported them) and the timestamp are the server's, never the reporter's. Returns how
+    many were new. Retried batches carry the same seq numbers, so a retry after a lost response stores
+    nothing twice.
     """
     now = utcnow()
     rows: list[dict] = []
     seen: set[tuple[str, int]] = set()
     for event in events:
         if event.seq is not None:
-            if (event.source, event.seq) in seen:
+            if (source, event.seq) in seen:
                 continue
-            seen.add((event.source, event.seq))
-        rows.append({"run_id": run_id, "ts": event.ts or now, "level": event.level, "source": event.source,
+            seen.add((source, event.seq))
+        rows.append({"run_id": run_id, "ts": now, "level": event.level, "source": source,
                      "message": event.message, "seq": event.seq})
     if seen:
         sources = {source for source, _ in seen}

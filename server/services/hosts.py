@@ -35,6 +35,25 @@ def to_public(host: Host, settings: Settings, now: datetime | None = None) -> Ho
     )
 
 
+def check_takeover(session: Session, report: HostRegister, settings: Settings, now: datetime | None = None) -> None:
+    """409 HOST_IN_USE when `report` names a host whose current worker (another `info["instance"]`) is
+    still heartbeating: a second worker (or an impersonator holding a token for that host) must not
+    take over a live host and its runs. Once the old worker's heartbeat is `host_stale_s` old, the new
+    one may register (a restarted worker waits at most that long)."""
+    previous = session.scalar(select(Host).where(Host.name == report.name))
+    if previous is None:
+        return
+    old, new = (previous.info or {}).get("instance"), report.info.get("instance")
+    if old is None or old == new:
+        return
+    status, age = liveness(previous, settings, now or utcnow())
+    if status == "ONLINE":
+        raise ConflictError(f"host {report.name} is live under another worker (last heartbeat {age:.1f} s ago); "
+                            f"a new worker may register it once that one is {settings.host_stale_s:g} s silent",
+                            code="HOST_IN_USE", details={"host": report.name, "heartbeat_age_s": round(age, 3),
+                                                         "stale_after_s": settings.host_stale_s})
+
+
 def register(session: Session, report: HostRegister) -> Host:
     """Idempotent: a worker re-registers on every start; its reservation (if any) is kept.
 

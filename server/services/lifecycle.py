@@ -20,6 +20,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from locojax.contract import EXIT_CANCELLED  # what `locojax host`/`train` exit with after a cooperative cancel
 from server.models import ENDED_PROCESS_STATES, HostProcessStatus, Run, RunHost, RunStatus, utcnow
 from server.services import events
 from server.services import runs as run_service
@@ -27,8 +28,6 @@ from server.services import runs as run_service
 S = RunStatus
 P = HostProcessStatus
 
-# `locojax host`/`locojax train` exit with this code after a cooperative cancel (see locojax/commands.py).
-EXIT_CANCELLED = 3
 ALIVE_PROCESS_STATES = frozenset({P.STARTING, P.RUNNING})
 
 

@@ -25,13 +25,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from locojax.contract import TIME_STEP
 from locojax.spec import RunSpec
 from server.errors import ConflictError, IllegalTransitionError, InvalidInputError, NotFoundError
 from server.models import (
     AGGREGATE_HOST,
     TERMINAL_STATES,
     Host,
-    HostProcessStatus,
     PlacementDecision,
     Run,
     RunEvent,
@@ -42,7 +42,6 @@ from server.models import (
     StepMetricSeries,
     utcnow,
 )
-from server.schemas import RunHostUpsert
 from server.services import events
 from server.settings import Settings
 
@@ -65,7 +64,7 @@ TRANSITIONS: Mapping[RunStatus, frozenset[RunStatus]] = {
 RESUMABLE = frozenset({S.FAILED, S.CANCELLED})
 
 # DESIGN §6: the per-step wall time; its median over a finished run is the measured step time.
-STEP_TIME_KEY = "time/step"
+STEP_TIME_KEY = TIME_STEP
 
 
 def transition(session: Session, run: Run, to: RunStatus, *, reason: str | None = None, source: str = "server",
@@ -92,6 +91,8 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str | None 
     values: dict[str, object] = {"status": to, "status_reason": reason, "updated_at": now}
     if to is S.RUNNING and run.started_at is None:
         values["started_at"] = now
+    if to is S.QUEUED:
+        values["queued_since"] = now  # the scheduler's bounded backfill wait counts from here
     if to is S.CANCELLING:
         values["cancel_requested"] = True
     if to is S.RECOVERING:
@@ -107,6 +108,7 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str | None 
     if to in TERMINAL_STATES:
         values["finished_at"] = now
         values["measured_step_s"] = _median_step_time(session, run.id)
+        values["attempt_secret"] = None  # no process of the run may authenticate any more
 
     result = session.execute(
         update(Run).where(Run.id == run.id, Run.status == current).values(**values)
@@ -138,36 +140,44 @@ def _median_step_time(session: Session, run_id: int) -> float | None:
 # --- submission -------------------------------------------------------------------------------------
 
 def _inside(path: str, roots: list[Path]) -> bool:
-    """Lexical containment: the API cannot see the hosts' file systems, so symlinks are not followed.
-
-    Relative paths are taken relative to the control plane's working directory (the embedded case,
-    where workers share it); production specs use absolute paths under the configured roots.
-    """
-    if "\x00" in path:
+    """Whether `path` (absolute) is inside one of `roots`, symlinks resolved where this server can see
+    them (a link under a data root pointing elsewhere is outside). A path the server cannot see resolves
+    lexically; the hosts read it under the same absolute name."""
+    if "\x00" in path or not os.path.isabs(path):
         return False
-    absolute = os.path.abspath(path)
+    real = os.path.realpath(path)
     for root in roots:
-        root_abs = os.path.abspath(root)
-        if os.path.commonpath([absolute, root_abs]) == root_abs:
+        root_real = os.path.realpath(root)
+        if os.path.commonpath([real, root_real]) == root_real:
             return True
     return False
 
 
 def check_paths(spec: RunSpec, settings: Settings) -> None:
+    """The server owns run directories: every run writes under `runs_root/<id>-<name>`, so a spec may not
+    choose `output_dir` or `checkpoint.dir` (two runs sharing a directory overwrite each other's model
+    and metrics). Read paths must be absolute (a relative one would mean the API's directory here and
+    each host's there) and inside the data roots or `runs_root` (a finished run's exported model)."""
     read_roots = [*settings.data_roots, settings.runs_root]
-    checks = [
-        ("spec.task.path", spec.task.path, read_roots),
-        ("spec.eval.path", spec.eval.path if spec.eval else None, read_roots),
-        ("spec.model.checkpoint", spec.model.checkpoint, read_roots),
-        ("spec.model.tokenizer", spec.model.tokenizer, read_roots),
-        ("spec.output_dir", spec.output_dir, [settings.runs_root]),
-        ("spec.checkpoint.dir", spec.checkpoint.dir, [settings.runs_root]),
+    errors = [{"field": field, "message": "the server chooses each run's directory (runs_root/<id>-<name>); "
+                                          "leave it unset"}
+              for field, value in (("spec.output_dir", spec.output_dir), ("spec.checkpoint.dir", spec.checkpoint.dir))
+              if value is not None]
+    reads = [
+        ("spec.task.path", spec.task.path),
+        ("spec.eval.path", spec.eval.path if spec.eval else None),
+        ("spec.model.checkpoint", spec.model.checkpoint),
+        ("spec.model.tokenizer", spec.model.tokenizer),
     ]
-    errors = [
-        {"field": field, "message": f"path {value!r} is outside the allowed roots "
-                                    f"({', '.join(str(root) for root in roots)})"}
-        for field, value, roots in checks if value is not None and not _inside(value, roots)
-    ]
+    for field, value in reads:
+        if value is None:
+            continue
+        if not os.path.isabs(value):
+            errors.append({"field": field, "message": f"path {value!r} is relative; give an absolute path under "
+                                                      f"{', '.join(str(root) for root in read_roots)}"})
+        elif not _inside(value, read_roots):
+            errors.append({"field": field, "message": f"path {value!r} is outside the allowed roots "
+                                                      f"({', '.join(str(root) for root in read_roots)})"})
     if errors:
         raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="PATH_NOT_ALLOWED",
                                 details=errors)
@@ -177,17 +187,8 @@ def check_names(spec: RunSpec, settings: Settings) -> None:
     """Task and reward names the hosts look up in their registries: a typo is a 422 now, not a run that
     fails on its hosts after its start-up. A `package.module:function` reward must be under one of the
     operator's module prefixes (`Settings.reward_modules`); the hosts check the same list again."""
-    from locojax.rewards import check_reward_names
-    from locojax.tasks import TASKS
-
-    errors = []
-    if spec.task.name not in TASKS:
-        errors.append({"field": "spec.task.name",
-                       "message": f"unknown task {spec.task.name!r}; known: {', '.join(TASKS.names())}"})
-    for index, message in check_reward_names(spec.task.reward or [], settings.reward_modules):
-        errors.append({"field": f"spec.task.reward.{index}", "message": message})
-    for index, message in check_reward_names(spec.eval.reward or [] if spec.eval else [], settings.reward_modules):
-        errors.append({"field": f"spec.eval.reward.{index}", "message": message})
+    errors = [{"field": f"spec.{field}", "message": message}
+              for field, message in spec.unknown_names(settings.reward_modules)]
     if errors:
         raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="UNKNOWN_NAME", details=errors)
 
@@ -210,12 +211,18 @@ def check_data(spec: RunSpec) -> None:
                                 details=errors) from None
 
 
+def _by_idempotency_key(session: Session, key: str, owner_token_id: int | None) -> Run | None:
+    """A key is looked up among the runs of the token that sent it only (keys are scoped per token)."""
+    owner = Run.owner_token_id.is_(None) if owner_token_id is None else Run.owner_token_id == owner_token_id
+    return session.scalar(select(Run).where(Run.idempotency_key == key, owner))
+
+
 def create(session: Session, spec: RunSpec, settings: Settings, *, idempotency_key: str | None = None,
-           created_by: str | None = None) -> tuple[Run, bool]:
+           created_by: str | None = None, owner_token_id: int | None = None) -> tuple[Run, bool]:
     """Store a new QUEUED run. Returns (run, created); created is False for an idempotent replay."""
     digest = spec.digest()
     if idempotency_key is not None:
-        existing = session.scalar(select(Run).where(Run.idempotency_key == idempotency_key))
+        existing = _by_idempotency_key(session, idempotency_key, owner_token_id)
         if existing is not None:
             return _replay(existing, digest), False
     check_paths(spec, settings)
@@ -229,7 +236,7 @@ def create(session: Session, spec: RunSpec, settings: Settings, *, idempotency_k
         name=spec.name, spec=spec.model_dump(mode="json"), spec_digest=digest, status=S.QUEUED,
         mode=spec.placement.mode, hosts_needed=spec.placement.hosts, max_restarts=spec.max_restarts,
         restarts=0, attempt=0, cancel_requested=False, idempotency_key=idempotency_key,
-        decision_id=decision_id, created_by=created_by,
+        decision_id=decision_id, created_by=created_by, owner_token_id=owner_token_id, queued_since=utcnow(),
     )
     session.add(run)
     try:
@@ -237,7 +244,7 @@ def create(session: Session, spec: RunSpec, settings: Settings, *, idempotency_k
     except IntegrityError:
         # Two requests with one idempotency key raced; the other one's run stands.
         session.rollback()
-        existing = session.scalar(select(Run).where(Run.idempotency_key == idempotency_key))
+        existing = _by_idempotency_key(session, idempotency_key, owner_token_id) if idempotency_key else None
         if existing is None:
             raise
         return _replay(existing, digest), False
@@ -364,38 +371,6 @@ def report_checkpoint(session: Session, run_id: int, step: int, *, source: str) 
         events.record(session, run_id, f"checkpoint saved at step {step}", source=source)
     session.commit()
     return run
-
-
-def upsert_host_process(session: Session, run_id: int, process_index: int, report: RunHostUpsert) -> RunHost:
-    """Create or update one host process row, then let the lifecycle settle the run (one transaction).
-
-    The run row is locked first, so reports from the hosts of one run apply one at a time and each sees
-    the others' effect (e.g. the last of N processes to exit is the one that ends the run).
-    """
-    from server.services import lifecycle  # lifecycle builds on this module
-
-    run = get_for_update(session, run_id)
-    attempt = run.attempt if report.attempt is None else report.attempt
-    row = session.scalar(select(RunHost).where(
-        RunHost.run_id == run_id, RunHost.attempt == attempt, RunHost.process_index == process_index))
-    if row is None:
-        row = RunHost(run_id=run_id, attempt=attempt, process_index=process_index)
-        session.add(row)
-    fields = report.model_dump(exclude={"attempt", "reason"}, exclude_unset=True)
-    changed = any(getattr(row, name, None) != value for name, value in fields.items())
-    for name, value in fields.items():
-        setattr(row, name, value)
-    row.updated_at = utcnow()
-    session.flush()
-    if changed and report.reason:
-        level = "error" if report.status in (HostProcessStatus.FAILED, HostProcessStatus.LOST) else "info"
-        events.record(session, run_id, f"{lifecycle.describe(row)} (attempt {attempt}) "
-                                       f"{row.status.value.lower()}: {report.reason}", level=level,
-                      source=f"host{process_index}")
-    if changed:
-        lifecycle.settle(session, run, source=f"host{process_index}")
-    session.commit()
-    return row
 
 
 def list_host_processes(session: Session, run_id: int, attempt: int | None) -> list[RunHost]:

@@ -4,8 +4,9 @@ A token is `lcj_` + 32 random bytes (URL-safe base64). Only its SHA-256 is store
 bits of entropy, so a plain fast hash is enough (a slow password hash protects low-entropy secrets) and
 lookup stays one indexed query. The secret is returned once, at creation, and never logged.
 
-Scopes: `submit` (create, cancel, resume, delete runs; ask the recommender), `worker` (report metrics,
-events, host heartbeats and run progress), `admin` (everything, including tokens). Any valid token
+Scopes: `submit` (create runs, and cancel, resume, delete the runs it created; ask the recommender),
+`worker` (as the host(s) it is bound to: register, heartbeat, report its processes' metrics, events
+and checkpoints), `admin` (everything, including tokens and moving runs by hand). Any valid token
 may read.
 """
 
@@ -32,15 +33,23 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def create(session: Session, *, name: str, scopes: Iterable[str], expires_in_s: float | None = None) -> tuple[ApiToken, str]:
-    """Store a new token; returns (row, secret). The caller shows the secret once."""
+def create(session: Session, *, name: str, scopes: Iterable[str], expires_in_s: float | None = None,
+           hosts: str | None = None) -> tuple[ApiToken, str]:
+    """Store a new token; returns (row, secret). The caller shows the secret once.
+
+    A worker token must name the host (or `prefix*` of hosts) it acts as (`hosts`); see
+    `services.authorization`. Raises ValueError (bad scopes) or InvalidInputError (bad `hosts`).
+    """
+    from server.services.authorization import check_host_binding
+
     scope_list = sorted(set(scopes))
     unknown = [scope for scope in scope_list if scope not in SCOPES]
     if not scope_list or unknown:
         raise ValueError(f"scopes must be some of {', '.join(SCOPES)}; got {', '.join(scope_list) or 'none'}")
+    hosts = check_host_binding(hosts, set(scope_list))
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = ApiToken(
-        name=name, prefix=secret[:8], token_hash=hash_secret(secret), scopes=" ".join(scope_list),
+        name=name, prefix=secret[:8], token_hash=hash_secret(secret), scopes=" ".join(scope_list), hosts=hosts,
         expires_at=utcnow() + timedelta(seconds=expires_in_s) if expires_in_s else None,
     )
     session.add(token)

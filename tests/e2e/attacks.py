@@ -7,6 +7,7 @@ every attack was blocked and nothing changed that should not have. Groups:
                 database behind the API's back (the host re-checks before importing)
   endpoints     a spec naming a Ray cluster or any other address
   engine env    what a running engine process can see of its worker's credentials
+  ray network   connecting, from the machine's own network, to the ports of a DA run's private Ray
   browser       a cookie signed with the public placeholder a masked secret used to become, a cookie kept
                 after logout, framing, a foreign Host header, login brute force (from its own loopback
                 address, 127.0.0.2, so the other scenarios' logins are not limited)
@@ -20,16 +21,20 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import secrets
+import socket
+import subprocess
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.e2e.bad_input import _spec
-from tests.e2e.helpers import tiny_spec, wait_final, wait_until
+from tests.e2e.helpers import last_step, tiny_spec, wait_final, wait_until
 from tests.e2e.infra import Stack
 from tests.e2e.outcome import outcome
 from tests.e2e.security import _csrf, _login
@@ -111,6 +116,25 @@ def _endpoint_attacks(http: httpx.Client, submit: dict[str, str], log: Attacks) 
                    response.status_code == 422 and _error_field(response) == field)
 
 
+@contextmanager
+def _training_run(stack: Stack, http: httpx.Client, submit: dict[str, str], spec: dict[str, Any]) -> Iterator[
+        tuple[Any, int, int]]:
+    """A run that keeps training (a reward the operator allowed sleeps each step) while a probe looks at
+    its engine process: yields (API client, run id, the first engine process's PID); cancelled after."""
+    spec["task"]["reward"] = ["gsm8k", "tests.locojax.rewards_for_tests:sleep_100ms_per_tiny_step"]
+    response = _submit(http, submit, spec)
+    response.raise_for_status()
+    run_id = response.json()["id"]
+    with stack.client() as api:
+        try:
+            pids = wait_until(lambda: [row["pid"] for row in api.list_run_hosts(run_id) if row["pid"]], 120,
+                              "the engine process")
+            yield api, run_id, pids[0]
+        finally:
+            api.cancel_run(run_id)
+            wait_final(api, run_id, timeout_s=120)
+
+
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes()
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
@@ -120,27 +144,105 @@ def _engine_env_attack(stack: Stack, http: httpx.Client, submit: dict[str, str],
     """A reward running in the engine (the operator allowed its module) reads its environment: nothing
     of the worker's credentials is there. Read from /proc while the run trains."""
     spec = tiny_spec(f"env-{secrets.token_hex(2)}", hosts=1, steps=400)
-    spec["task"]["reward"] = ["gsm8k", "tests.locojax.rewards_for_tests:sleep_100ms_per_tiny_step"]
-    response = _submit(http, submit, spec)
-    response.raise_for_status()
-    run_id = response.json()["id"]
-    with stack.client() as api:
+    with _training_run(stack, http, submit, spec) as (_, run_id, engine):
+        env = _environ(engine)
+        leaked = sorted(name for name in env if name.startswith("LOCOJAX_") or any(
+            word in name for word in ("PASSWORD", "TOKEN", "SECRET")))
+        values = " ".join(env.values())
+        secret_values = [stack.plane.worker_token, stack.plane.admin_token, stack.database_url,
+                         stack.settings.broker_url]
+        found = [value[:12] for value in secret_values if value and value in values]
+        log.record("engine process reads its environment for credentials", f"/proc/{engine}/environ of run {run_id}",
+                   f"{len(env)} variables: {sorted(env)[:12]}; credential names {leaked}, values {found}",
+                   not leaked and not found)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
         try:
-            pids = wait_until(lambda: [row["pid"] for row in api.list_run_hosts(run_id) if row["pid"]], 120,
-                              "the engine process")
-            env = _environ(pids[0])
-            leaked = sorted(name for name in env if name.startswith("LOCOJAX_") or any(
-                word in name for word in ("PASSWORD", "TOKEN", "SECRET")))
-            values = " ".join(env.values())
-            secret_values = [stack.plane.worker_token, stack.plane.admin_token, stack.database_url,
-                             stack.settings.broker_url]
-            found = [value[:12] for value in secret_values if value and value in values]
-            log.record("engine process reads its environment for credentials", f"/proc/{pids[0]}/environ of run {run_id}",
-                       f"{len(env)} variables: {sorted(env)[:12]}; credential names {leaked}, values {found}",
-                       not leaked and not found)
-        finally:
-            api.cancel_run(run_id)
-            wait_final(api, run_id, timeout_s=120)
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked
+    return found
+
+
+def _listeners(pid: int | str) -> dict[int, int]:
+    """TCP port -> socket inode of what listens in the network namespace of process `pid` (its own
+    view, /proc/PID/net)."""
+    found = {}
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                found[int(fields[1].rsplit(":", 1)[1], 16)] = int(fields[9])
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    found, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in _children(parent)]
+        found += frontier
+    return found
+
+
+def _socket_inodes(pids: list[int]) -> set[int]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+        except OSError:
+            continue  # exited while we looked
+    return inodes
+
+
+def _host_addresses() -> list[str]:
+    """Every IPv4 address of this machine's interfaces (`ip -4 -o addr`: one line per address)."""
+    shown = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    return sorted({"127.0.0.1"} | {line.split()[3].split("/")[0] for line in shown.splitlines()})
+
+
+def _ray_network_attack(stack: Stack, http: httpx.Client, submit: dict[str, str], log: Attacks) -> None:
+    """A DA run under the control plane is one Ray cluster over its reserved hosts (issue 19): its
+    processes must be reachable at the address its hosts advertise, and there every RPC needs the
+    attempt's secret as Ray's token (tests/locojax/test_da_cluster.py refuses clients without it). What
+    must not happen is Ray answering at any *other* address of the machine. While one trains, read the
+    ports its GCS listens on (/proc/PID/net) and try each at every address of the host."""
+    spec = tiny_spec(f"ray-{secrets.token_hex(2)}", hosts=2, steps=400)
+    spec["placement"] = {"mode": "da", "hosts": 2, "devices_per_host": 1, "rollout_fraction": 0.5}
+    with _training_run(stack, http, submit, spec) as (api, run_id, engine):
+        gcs = wait_until(lambda: [pid for pid in _children(engine)
+                                  if b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes()], 120,
+                         "the run's Ray GCS")[0]
+        wait_until(lambda: last_step(api, run_id) >= 1, 240, "a DA step (every Ray server up)")
+        ports = sorted(_listeners(gcs))
+        addresses = _host_addresses()
+        # Another Ray on this machine (a test, a benchmark) may hold the same default port in the
+        # host's namespace: a port that answers counts against this run only if the socket is its own.
+        run_sockets = _socket_inodes(_descendants(engine))
+        host_listeners = _listeners("self")
+        reached, answered_by_others = [], []
+        for address in addresses:
+            for port in ports:
+                try:
+                    socket.create_connection((address, port), timeout=2).close()
+                except OSError:
+                    continue
+                (reached if host_listeners.get(port) in run_sockets else answered_by_others).append(
+                    f"{address}:{port}")
+        advertised = {host["info"]["address"] for host in api.request("GET", "/api/v1/hosts")["data"]}
+        elsewhere = [where for where in reached if where.rsplit(":", 1)[0] not in advertised]
+        log.record("connect to a DA run's Ray at an address its hosts do not advertise",
+                   f"TCP connect to the {len(ports)} ports Ray of run {run_id} listens on, at {addresses} "
+                   f"(the hosts advertise {sorted(advertised)})",
+                   f"reached the run's Ray at {reached or 'none'}, of which at other addresses: "
+                   f"{elsewhere or 'none'} (other processes' ports: {answered_by_others or 'none'})",
+                   not elsewhere and len(ports) > 1)
 
 
 def _b64(data: bytes) -> str:
@@ -221,9 +323,10 @@ def _bounded_attacks(stack: Stack, http: httpx.Client, submit: dict[str, str], l
     run.raise_for_status()
     run_id = run.json()["id"]
     rows = [{"step": step, "host": -1, "values": {f"junk/{step}/{i}": 1.0 for i in range(500)}} for step in range(2)]
-    first = http.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows}, headers=admin)
+    first = http.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows, "attempt": 0}, headers=admin)
     more = http.post(f"/api/v1/runs/{run_id}/metrics",
-                     json={"rows": [{"step": 2, "host": -1, "values": {"junk/extra": 1.0}}]}, headers=admin)
+                     json={"rows": [{"step": 2, "host": -1, "values": {"junk/extra": 1.0}}], "attempt": 0},
+                     headers=admin)
     keys = stack.sql("SELECT COUNT(DISTINCT key) FROM step_metrics WHERE run_id = :id", id=run_id)[0][0]
     log.record("1,001 distinct metric keys in one run", f"POST metrics: 1,000 keys ({first.status_code}), then one more",
                more, first.status_code == 200 and more.status_code == 422 and keys == 1000)
@@ -271,6 +374,7 @@ def attacks(stack: Stack) -> dict[str, Any]:
         refused_nothing_stored = stack.sql("SELECT COUNT(*) FROM runs")[0][0] == runs_before + 1  # the keys run only
         _forged_spec_attack(stack, http, submit, log)
         _engine_env_attack(stack, http, submit, log)
+        _ray_network_attack(stack, http, submit, log)
     _browser_attacks(stack, log)
     blocked = sum(item["blocked"] for item in log.tried)
     return outcome({

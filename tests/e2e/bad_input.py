@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.helpers import tiny_spec, wait_final
+from tests.e2e.helpers import placed_sink, tiny_spec
 from tests.e2e.infra import Stack
 from tests.e2e.outcome import outcome
 
@@ -237,7 +237,7 @@ def batch_cases(stack: Stack) -> list[BadRequest]:
         BadRequest("three good rows and a bad fourth", json={"rows": [_row(1), _row(2), _row(3), _row(4, loss="x")]},
                    names="rows.3.values.loss"),
         BadRequest("more values than the limit", json={"rows": [{"step": s, "values": wide}
-                                                                for s in range(limit // 1000 + 1)]},
+                                                                for s in range(limit // 1000 + 1)], "attempt": 0},
                    status=413, code="BATCH_TOO_LARGE", names="limit", in_message=True),
         BadRequest("not UTF-8", content=b'{"rows": [{"step": 0, "values": {"caf\xe9": 1.0}}]}', names="UTF-8",
                    in_message=True),
@@ -248,10 +248,8 @@ def batch_cases(stack: Stack) -> list[BadRequest]:
 
 def bad_metric_batches(stack: Stack) -> dict[str, Any]:
     with stack.client() as api:
-        # The batches' target: a run that never starts (it needs more hosts than there are) and is cancelled.
-        target = api.submit(tiny_spec(f"batch-target-{secrets.token_hex(2)}", hosts=4, steps=1))
-        api.cancel_run(target["id"])
-        wait_final(api, target["id"], 30)
+        # The batches' target: a run that never starts, placed on a plane host so a good batch is accepted.
+        target = placed_sink(stack, api, f"batch-target-{secrets.token_hex(2)}")
     cases = batch_cases(stack)
     url = f"/api/v1/runs/{target['id']}/metrics"
     before = stack.counts(target["id"])
@@ -263,13 +261,15 @@ def bad_metric_batches(stack: Stack) -> dict[str, Any]:
             except httpx.TransportError as exc:
                 ok, why = False, f"transport error {exc!r}"
             results.append({"case": case.label, "refused": ok, **({} if ok else {"why": why})})
-        missing = http.post("/api/v1/runs/2147483000/metrics", json={"rows": [_row()]},
+        missing = http.post("/api/v1/runs/2147483000/metrics", json={"rows": [_row()], "attempt": 0},
                             headers={"Authorization": f"Bearer {stack.plane.worker_token}"})
         after = stack.counts(target["id"])
         # The control: a good batch is written, so the counts above could have moved.
-        good = http.post(url, json={"rows": [_row(0), _row(1, loss=2.0, acc=0.5)]},
+        good = http.post(url, json={"rows": [_row(0), _row(1, loss=2.0, acc=0.5)], "attempt": 0},
                          headers={"Authorization": f"Bearer {stack.plane.worker_token}"})
         written = stack.counts(target["id"])["step_metrics"] - after["step_metrics"]
+    with stack.client() as api:
+        api.cancel_run(target["id"])
     refused = sum(item["refused"] for item in results)
     return outcome({
         "every malformed batch refused naming the problem": refused == len(cases),

@@ -61,3 +61,15 @@ def alive(pid: int) -> bool:
 
 def host_pids(api: ApiClient, run_id: int, attempt: int | None = None) -> list[int]:
     return [row["pid"] for row in api.list_run_hosts(run_id, attempt) if row["pid"]]
+
+
+def placed_sink(stack: Any, api: ApiClient, name: str) -> dict[str, Any]:
+    """A run that never starts (it needs more hosts than the plane has) whose process 0 is placed on the
+    plane's first host, as the scheduler would: the plane's worker token (bound to its hosts) may then
+    report metrics for it, for attempt 0. Scenarios that only exercise ingest write into it; cancel it
+    when done."""
+    run = api.submit(tiny_spec(name, hosts=len(stack.plane.host_names) + 1, steps=1))
+    stack.sql("INSERT INTO run_hosts (run_id, attempt, process_index, host_name, role, status, updated_at) "
+              "VALUES (:id, 0, 0, :host, 'co', 'RUNNING', now())", id=run["id"], host=stack.plane.host_names[0])
+    return run
+

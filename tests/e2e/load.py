@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from tests.e2e.faults import wait_training
-from tests.e2e.helpers import last_step, tiny_spec, wait_final
+from tests.e2e.helpers import last_step, placed_sink, tiny_spec, wait_final
 from tests.e2e.infra import Stack
 from tests.e2e.outcome import audit_run, outcome
 
@@ -93,7 +93,8 @@ async def _drive(stack: Stack, *, clients: int, duration_s: float, train_id: int
                     first = batches * STEPS_PER_BATCH
                     rows = [{"step": step, "host": index, "values": {key: rng.random() for key in KEYS}}
                             for step in range(first, first + STEPS_PER_BATCH)]
-                    if await request(kind, "POST", f"/api/v1/runs/{sink_id}/metrics", 200, json={"rows": rows},
+                    if await request(kind, "POST", f"/api/v1/runs/{sink_id}/metrics", 200,
+                                     json={"rows": rows, "attempt": 0},
                                      headers=worker) is not None:
                         ingested += len(rows) * len(KEYS)
                     batches += 1
@@ -133,13 +134,13 @@ def load(stack: Stack, *, clients: int = 50, duration_s: float = 60.0) -> dict[s
             made = http.post("/api/v1/tokens", json={"name": f"{prefix}-submit", "scopes": ["submit"]}, headers=admin)
             tokens["submit"] = made.json()["token"]
         train = api.submit(tiny_spec(f"{prefix}-train", hosts=1, steps=100_000, every=0))
-        sink = api.submit(tiny_spec(f"{prefix}-sink", hosts=4, steps=1))  # never placed; takes the load's metrics
-        api.cancel_run(sink["id"])
+        sink = placed_sink(stack, api, f"{prefix}-sink")  # never starts; takes the load's metrics
         wait_training(api, train["id"], step=1)
         step_before = last_step(api, train["id"])
         result = asyncio.run(_drive(stack, clients=clients, duration_s=duration_s, train_id=train["id"],
                                     sink_id=sink["id"], prefix=prefix, tokens=tokens))
         step_after = last_step(api, train["id"])
+        api.cancel_run(sink["id"])
         api.cancel_run(train["id"])
         final = wait_final(api, train["id"], 120)
         trained = api.get_run(train["id"])

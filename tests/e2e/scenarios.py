@@ -2,7 +2,8 @@
 bench/reliability.py call the same functions, so the tests assert exactly what the bench reports.
 
 Groups: `bad_input` (counted in bad_inputs_rejected), `security`, `fault` (counted in faults_survived),
-`load` (load_errors), `attack` (attacks_tried, attacks_blocked). Each scenario takes the `Stack` (and, for load, its size) and returns the dict
+`load` (load_errors), `attack` (attacks_tried, attacks_blocked), `isolation` (isolation_tried,
+isolation_blocked). Each scenario takes the `Stack` (and, for load, its size) and returns the dict
 described in tests/e2e/outcome.py.
 """
 
@@ -15,6 +16,7 @@ from tests.e2e.attacks import attacks
 from tests.e2e.bad_input import bad_metric_batches, bad_run_specs, stateful_fuzz
 from tests.e2e.faults import FAULTS
 from tests.e2e.infra import Stack
+from tests.e2e.isolation import isolation
 from tests.e2e.load import load
 from tests.e2e.security import SECURITY
 
@@ -28,6 +30,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     **{name: ("fault", scenario) for name, scenario in FAULTS.items()},
     "load": ("load", load),
     "attacks": ("attack", attacks),
+    "isolation": ("isolation", isolation),
     # Last: by then every other scenario has written to the logs it searches.
     "secrets_stay_secret": ("security", SECURITY["secrets_stay_secret"]),
 }

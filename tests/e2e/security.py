@@ -64,7 +64,8 @@ def _tokens(stack: Stack, http: httpx.Client, label: str) -> dict[str, str]:
         response.raise_for_status()
         return response.json()
 
-    made = {scope: create([scope])["token"] for scope in ("submit", "worker", "admin")}
+    made = {scope: create([scope], **({"hosts": f"{label}-host"} if scope == "worker" else {}))["token"]
+            for scope in ("submit", "worker", "admin")}
     revoked = create(["admin"])
     http.delete(f"/api/v1/tokens/{revoked['id']}", headers=admin).raise_for_status()
     made["revoked"] = revoked["token"]

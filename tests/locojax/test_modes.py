@@ -38,8 +38,9 @@ def test_sc_trains_to_the_same_params_as_co(tmp_path):
 
 @pytest.mark.multiprocess
 def test_da_samples_batch_t_plus_1_with_exactly_theta_t(tmp_path):
-    spec = write_spec(tmp_path, tiny_spec(tmp_path, "da", steps=5,
-                                          placement={"mode": "da", "hosts": 2, "rollout_fraction": 0.5}))
+    spec = write_spec(tmp_path, {**tiny_spec(tmp_path, "da", steps=5,
+                                             placement={"mode": "da", "hosts": 2, "rollout_fraction": 0.5}),
+                                 "debug": {"checksum_every": 1}})  # checksums are reported only when asked
     done = locojax("train", str(spec), "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["step"]: r for r in m.read_jsonl(tmp_path / "da" / "metrics.jsonl") if r["host"] == "all"}
@@ -86,6 +87,29 @@ def test_co_host_failure_ends_the_run_naming_host_and_phase(tmp_path):
     assert process.returncode != 0
     assert "host 1" in stderr and "signal 9" in stderr and " during " in stderr
     assert not _processes("locojax.cli host")
+
+
+@pytest.mark.multiprocess
+def test_sc_worker_failure_ends_the_run_naming_the_worker_and_phase(tmp_path):
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, "sc-fail", steps=200, placement={"mode": "sc", "hosts": 2}))
+    process = _start(["train", str(spec), "--quiet"], tmp_path)
+    _wait_for_step(tmp_path / "sc-fail" / "metrics.jsonl", 1, process)
+    from locojax.launch import cores_for_host
+
+    def rank_of(pid: int) -> int:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        return int(words[words.index("--process-id") + 1])
+
+    workers = {rank_of(pid): pid for pid in _processes("locojax.cli sc-worker")}
+    # Each worker on its own host's cores, as CO's hosts are (they all sat on the controller's once).
+    assert {rank: sorted(os.sched_getaffinity(pid)) for rank, pid in workers.items()} == {
+        rank: cores_for_host(rank, 2) for rank in (0, 1)}
+    victim = workers[1]
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "SC worker 1" in stderr and " during " in stderr and "of step" in stderr, stderr[-2000:]
+    assert not _processes("locojax.cli sc-worker")  # the other worker went with its controller
 
 
 @pytest.mark.multiprocess

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -388,3 +389,53 @@ def test_sweep_gives_big_models_the_chips_they_need(v7x_sweep):
     assert chips[SMALL_MODEL] == 8 and chips["llama-3.1-405b"] > 8
     assert param_count(PRESETS["llama-3.1-405b"]) == next(p.params for p in v7x_sweep.points
                                                           if p.model == "llama-3.1-405b")
+
+
+# --- memory plan in the recommender (issue 21) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("model,hardware,chips", [("qwen3-8b", "tpu-v5p", 8), ("qwen3-8b", "tpu-v7x", 64),
+                                                  ("qwen3-32b", "tpu-v7x", 64)])
+def test_recommended_placements_fit_hbm_for_8b_and_32b(model, hardware, chips):
+    from locojax.placement.memory import GiB, USABLE_FRACTION
+
+    result = recommend(PlacementRequest(model=model, hardware=hardware, chips=chips, workload="gsm8k"))
+    hbm = HARDWARE.get(hardware).hbm_bytes * USABLE_FRACTION / GiB
+    assert all(option.memory_per_chip_gib <= hbm for option in result.options)
+    assert result.choice.fsdp * result.choice.tensor > 1  # neither fits one chip unsharded
+    assert "memory plan per device" in result.memory
+    if model == "qwen3-32b":  # float32 state plus the rollout copy exceed a v7x chip: bfloat16 it is
+        assert result.choice.dtype == "bfloat16"
+
+
+def test_recommender_refuses_32b_on_v5p_naming_the_term_and_what_would_fit():
+    from locojax.placement.memory import MemoryPlanError
+
+    with pytest.raises(MemoryPlanError) as refused:
+        recommend(PlacementRequest(model="qwen3-32b", hardware="tpu-v5p", chips=64, workload="gsm8k"))
+    message = str(refused.value)
+    assert "fits HBM" in message and re.search(r"largest term being (gradients|rollout_params)", message)
+    assert "more chips per model" in message and "FSDP" in message and "remat" in message
+
+
+def test_hosts_beyond_a_shared_machines_cores_share_them_for_their_cpu_work():
+    """CO on the local CPU: every host scores its own samples at once, so 4 hosts on 2 cores score at
+    half a core each and take as long per step as 2 hosts do; with a core per host, twice as many
+    hosts halve the time. SC's controller scores alone, so its reward time does not depend on cores."""
+    from locojax.placement.cost_model import cpu_sharing
+    from locojax.placement.hardware import get_hardware
+    from locojax.placement.workloads import get_workload
+
+    model = ModelSize.from_config(PRESETS["tiny"])
+    workload = get_workload("arith")
+
+    def reward_s(mode: str, hosts: int, cores: int) -> float:
+        hardware = get_hardware("local-cpu").replace(machine_cores=cores, decode_tokens_per_dispatch=None)
+        return estimate_step(model, hardware, workload, Placement(mode, hosts, 1)).breakdown["reward"]
+
+    assert cpu_sharing(get_hardware("local-cpu").replace(machine_cores=2), 4) == 2.0
+    assert cpu_sharing(get_hardware("local-cpu").replace(machine_cores=2), 1) == 1.0
+    assert cpu_sharing(get_hardware("local-cpu").replace(machine_cores=None), 8) == 1.0
+    assert reward_s("co", 4, cores=2) == pytest.approx(reward_s("co", 2, cores=2))
+    assert reward_s("co", 4, cores=4) == pytest.approx(reward_s("co", 2, cores=4) / 2)
+    assert reward_s("sc", 4, cores=2) == pytest.approx(reward_s("sc", 4, cores=4))

@@ -134,8 +134,10 @@ def tokens(backend: Backend) -> Tokens:
 
 def _make_tokens(db: Database) -> Tokens:
     with db.write_session() as session:
+        # The worker token acts as hosts named h* (h0, h1, host-a, ...); test_isolation makes its own.
         secrets_by_name = {
-            scope: token_service.create(session, name=f"test-{scope}", scopes=[scope])[1]
+            scope: token_service.create(session, name=f"test-{scope}", scopes=[scope],
+                                        hosts="h*" if scope == "worker" else None)[1]
             for scope in ("admin", "submit", "worker")
         }
         revoked, secret = token_service.create(session, name="test-revoked", scopes=["admin"])

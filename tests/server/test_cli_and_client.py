@@ -52,6 +52,11 @@ def test_token_create_prints_the_secret_once_and_ls_never_does(tmp_path, monkeyp
         assert "revoked" in runner.invoke(_app(), ["token", "ls"]).stdout
         bad = runner.invoke(_app(), ["token", "create", "--scope", "root"])
         assert bad.exit_code != 0
+        # Worker tokens are bound to a host name or prefix (issue 17); an unbound one is refused.
+        unbound = runner.invoke(_app(), ["token", "create", "--scope", "worker"])
+        assert unbound.exit_code != 0 and "--hosts" in unbound.output
+        bound = runner.invoke(_app(), ["token", "create", "--scope", "worker", "--hosts", "tpu-vm-*"])
+        assert bound.exit_code == 0 and "hosts: tpu-vm-*" in bound.output
     finally:
         get_settings.cache_clear()
 
@@ -77,8 +82,9 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
     with app.state.db.write_session() as session:
-        secrets = {scope: token_service.create(session, name=scope, scopes=[scope])[1]
-                   for scope in ("submit", "worker")}
+        secrets = {scope: token_service.create(session, name=scope, scopes=[scope],
+                                               hosts="h*" if scope == "worker" else None)[1]
+                   for scope in ("submit", "worker", "admin")}
     try:
         yield f"http://127.0.0.1:{port}", secrets
     finally:
@@ -107,11 +113,11 @@ def test_submit_and_runs_commands(live_server, tmp_path):
     got = runner.invoke(_app(), ["runs", "get", str(run_id)], env=env)
     assert got.exit_code == 0 and f"{run_id}" in got.stdout
 
-    with ApiClient(url, secrets["worker"]) as worker:
-        worker.report_transition(run_id, "STARTING")
-        worker.report_transition(run_id, "RUNNING")
-        worker.post_metrics(run_id, [{"step": s, "values": {"reward/mean": s / 10}} for s in range(50)])
-        worker.post_events(run_id, [{"message": "hello from host 0"}])
+    with ApiClient(url, secrets["admin"]) as operator:  # moves the run by hand (no scheduler here)
+        operator.report_transition(run_id, "STARTING")
+        operator.report_transition(run_id, "RUNNING")
+        operator.post_metrics(run_id, [{"step": s, "values": {"reward/mean": s / 10}} for s in range(50)], attempt=0)
+        operator.post_events(run_id, [{"message": "hello from host 0"}], attempt=0)
     metrics = runner.invoke(_app(), ["runs", "metrics", str(run_id)], env=env)
     assert "reward/mean" in metrics.stdout and "step 49" in metrics.stdout
     history = runner.invoke(_app(), ["runs", "metrics", str(run_id), "-k", "reward/mean", "--max-points", "5"], env=env)
@@ -120,8 +126,8 @@ def test_submit_and_runs_commands(live_server, tmp_path):
 
     cancelled = runner.invoke(_app(), ["runs", "cancel", str(run_id)], env=env)
     assert cancelled.exit_code == 0 and "CANCELLING" in cancelled.stdout
-    with ApiClient(url, secrets["worker"]) as worker:
-        worker.report_transition(run_id, "CANCELLED", reason="stopped at step 50")
+    with ApiClient(url, secrets["admin"]) as operator:
+        operator.report_transition(run_id, "CANCELLED", reason="stopped at step 50")
     events = runner.invoke(_app(), ["runs", "events", str(run_id), "--follow"], env=env)
     assert events.exit_code == 0 and "hello from host 0" in events.stdout and "CANCELLING -> CANCELLED" in events.stdout
     resumed = runner.invoke(_app(), ["runs", "resume", str(run_id)], env=env)

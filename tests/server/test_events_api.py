@@ -26,12 +26,14 @@ def _sse(text: str) -> list[tuple[str, dict, str | None]]:
 
 
 def test_append_and_list_after_a_cursor(client, db, worker, submitter):
-    run_id = insert_run(db, RunStatus.RUNNING)
-    batch = [{"message": f"step {i}", "source": "host0", "seq": i} for i in range(5)]
-    assert client.post(f"/api/v1/runs/{run_id}/events", json={"events": batch}, headers=worker).json()["accepted"] == 5
+    run_id = insert_run(db, RunStatus.RUNNING, placed_on="h0")
+    batch = [{"message": f"step {i}", "seq": i} for i in range(5)]
+    posted = client.post(f"/api/v1/runs/{run_id}/events", json={"events": batch, "attempt": 0}, headers=worker)
+    assert posted.json()["accepted"] == 5
     # a retry of the same batch (plus one new line) stores only the new line
-    retry = batch + [{"message": "step 5", "source": "host0", "seq": 5}, {"message": "warn", "level": "warning"}]
-    assert client.post(f"/api/v1/runs/{run_id}/events", json={"events": retry}, headers=worker).json()["accepted"] == 2
+    retry = batch + [{"message": "step 5", "seq": 5}, {"message": "warn", "level": "warning"}]
+    posted = client.post(f"/api/v1/runs/{run_id}/events", json={"events": retry, "attempt": 0}, headers=worker)
+    assert posted.json()["accepted"] == 2
     first = client.get(f"/api/v1/runs/{run_id}/events", params={"limit": 4}, headers=submitter).json()
     assert [e["message"] for e in first["data"]] == ["step 0", "step 1", "step 2", "step 3"]
     rest = client.get(f"/api/v1/runs/{run_id}/events", params={"after": first["next_after"]}, headers=submitter).json()
@@ -39,16 +41,21 @@ def test_append_and_list_after_a_cursor(client, db, worker, submitter):
     done = client.get(f"/api/v1/runs/{run_id}/events", params={"after": rest["next_after"]}, headers=submitter).json()
     assert done == {"data": [], "next_after": rest["next_after"]}
     warnings = client.get(f"/api/v1/runs/{run_id}/events", params={"level": "warning"}, headers=submitter).json()["data"]
-    assert [(e["message"], e["source"]) for e in warnings] == [("warn", "worker")]
+    assert [(e["message"], e["source"]) for e in warnings] == [("warn", "host0")]  # named by the server
 
 
 def test_bad_event_batches_write_nothing(client, db, worker, submitter):
-    run_id = insert_run(db)
-    for body in ({"events": []}, {"events": [{"message": "ok"}, {"message": "x", "level": "loud"}]},
-                 {"events": [{"message": "ok"}, {"msg": "typo"}]}, {"events": [{"message": "x" * 70000}]}):
+    run_id = insert_run(db, placed_on="h0")
+    for body in ({"events": [], "attempt": 0}, {"events": [{"message": "ok"}, {"message": "x", "level": "loud"}],
+                                                "attempt": 0},
+                 {"events": [{"message": "ok"}, {"msg": "typo"}], "attempt": 0},
+                 {"events": [{"message": "x" * 70000}], "attempt": 0},
+                 {"events": [{"message": "ok"}]},  # no attempt
+                 {"events": [{"message": "ok", "source": "scheduler"}], "attempt": 0}):  # the server names sources
         assert_error(client.post(f"/api/v1/runs/{run_id}/events", json=body, headers=worker), 422)
     assert client.get(f"/api/v1/runs/{run_id}/events", headers=submitter).json()["data"] == []
-    assert_error(client.post("/api/v1/runs/777/events", json={"events": [{"message": "x"}]}, headers=worker), 404)
+    assert_error(client.post("/api/v1/runs/777/events", json={"events": [{"message": "x"}], "attempt": 0},
+                             headers=worker), 404)
     assert_error(client.get("/api/v1/runs/777/events", headers=worker), 404, "RUN_NOT_FOUND")
 
 
@@ -66,14 +73,15 @@ def test_sse_replays_a_finished_run_then_ends(client, submitter, worker):
     assert events[1][2] == str(events[1][1]["id"])  # the SSE id is the event id (for Last-Event-ID)
 
 
-def test_sse_follows_a_live_run_until_it_finishes(client, db, submitter, worker):
-    run_id = insert_run(db, RunStatus.RUNNING)
+def test_sse_follows_a_live_run_until_it_finishes(client, db, submitter, worker, admin):
+    run_id = insert_run(db, RunStatus.RUNNING, placed_on="h0")
 
     def produce() -> None:
         for i in range(3):
             time.sleep(0.1)
-            client.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": f"live {i}"}]}, headers=worker)
-        client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "SUCCEEDED"}, headers=worker)
+            client.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": f"live {i}"}], "attempt": 0},
+                        headers=worker)
+        client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "SUCCEEDED"}, headers=admin)
 
     producer = threading.Thread(target=produce)
     with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream", headers=submitter) as response:
@@ -89,15 +97,16 @@ def test_sse_follows_a_live_run_until_it_finishes(client, db, submitter, worker)
     assert statuses == ["RUNNING", "SUCCEEDED"] and events[-1][0] == "end"
 
 
-def test_sse_resumes_after_last_event_id(client, db, submitter, worker):
-    run_id = insert_run(db, RunStatus.FAILED)
-    client.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": f"m{i}"} for i in range(4)]},
-                headers=worker)
+def test_sse_resumes_after_last_event_id(client, db, submitter, worker, admin):
+    run_id = insert_run(db, RunStatus.RUNNING, placed_on="h0")
+    client.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": f"m{i}"} for i in range(4)],
+                                                       "attempt": 0}, headers=worker)
+    client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "FAILED"}, headers=admin)
     ids = [e["id"] for e in client.get(f"/api/v1/runs/{run_id}/events", headers=submitter).json()["data"]]
     with client.stream("GET", f"/api/v1/runs/{run_id}/events/stream",
                        headers={**submitter, "Last-Event-ID": str(ids[1])}) as response:
         events = _sse(response.read().decode())
-    assert [data["message"] for kind, data, _ in events if kind == "log"] == ["m2", "m3"]
+    assert [data["message"] for kind, data, _ in events if kind == "log"] == ["m2", "m3", "RUNNING -> FAILED"]
 
 
 def test_sse_closes_after_its_maximum_duration(client, db, submitter):
@@ -132,7 +141,9 @@ def test_event_streams_per_token_are_capped_and_slots_come_back(tmp_path):
     upgrade_to_head(url)
     app = create_app(make_settings(tmp_path, url, sse_streams_per_token=2, sse_max_s=60.0), plugins=False)
     with app.state.db.write_session() as session:
-        secrets = {scope: token_service.create(session, name=scope, scopes=[scope])[1] for scope in ("submit", "worker")}
+        secrets = {scope: token_service.create(session, name=scope, scopes=[scope],
+                                               hosts="h*" if scope == "worker" else None)[1]
+                   for scope in ("submit", "worker")}
     run_id = insert_run(app.state.db, RunStatus.RUNNING)  # never ends: streams stay open
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

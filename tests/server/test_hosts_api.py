@@ -51,7 +51,7 @@ def test_a_lost_host_comes_back_with_a_heartbeat(client, db, worker):
 
 
 def test_heartbeat_of_an_unknown_host_is_404(client, worker):
-    assert_error(client.post("/api/v1/hosts/nobody/heartbeat", headers=worker), 404, "HOST_NOT_FOUND")
+    assert_error(client.post("/api/v1/hosts/h-nobody/heartbeat", headers=worker), 404, "HOST_NOT_FOUND")
 
 
 @pytest.mark.parametrize("body", [{"name": ""}, {"name": "../etc"}, {"name": "h", "device_count": -1},
@@ -60,20 +60,20 @@ def test_bad_registrations_are_422(client, worker, body):
     assert_error(client.post("/api/v1/hosts", json=body, headers=worker), 422, "VALIDATION_ERROR")
 
 
-def test_remove_only_unreserved_hosts(client, db, worker, submitter):
+def test_remove_only_unreserved_hosts(client, db, worker, submitter, admin):
     run_id = insert_run(db, RunStatus.RUNNING)
-    for name in ("free", "busy"):
+    for name in ("h-free", "h-busy"):
         client.post("/api/v1/hosts", json={"name": name}, headers=worker)
     with db.write_session() as session:
-        session.execute(update(Host).where(Host.name == "busy").values(reserved_by_run_id=run_id))
+        session.execute(update(Host).where(Host.name == "h-busy").values(reserved_by_run_id=run_id))
         session.commit()
-    assert client.get("/api/v1/hosts/busy", headers=submitter).json()["reserved_by_run_id"] == run_id
-    assert_error(client.delete("/api/v1/hosts/busy", headers=worker), 409, "HOST_RESERVED")
-    assert client.delete("/api/v1/hosts/free", headers=worker).status_code == 204
-    assert [h["name"] for h in client.get("/api/v1/hosts", headers=submitter).json()["data"]] == ["busy"]
+    assert client.get("/api/v1/hosts/h-busy", headers=submitter).json()["reserved_by_run_id"] == run_id
+    assert_error(client.delete("/api/v1/hosts/h-busy", headers=worker), 409, "HOST_RESERVED")
+    assert client.delete("/api/v1/hosts/h-free", headers=worker).status_code == 204
+    assert [h["name"] for h in client.get("/api/v1/hosts", headers=submitter).json()["data"]] == ["h-busy"]
     # the run finishing releases the reservation
-    client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "FAILED"}, headers=worker)
-    assert client.get("/api/v1/hosts/busy", headers=submitter).json()["reserved_by_run_id"] is None
+    client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "FAILED"}, headers=admin)
+    assert client.get("/api/v1/hosts/h-busy", headers=submitter).json()["reserved_by_run_id"] is None
 
 
 def test_host_info_is_bounded_to_16_kib(client, db, worker):

@@ -21,11 +21,11 @@ def _rows(db) -> list[tuple]:
 
 
 def _post(client, headers, run_id, rows):
-    return client.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows}, headers=headers)
+    return client.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows, "attempt": 0}, headers=headers)
 
 
 def test_ingest_and_retry_are_idempotent(client, db, worker):
-    run_id = insert_run(db, RunStatus.RUNNING)
+    run_id = insert_run(db, RunStatus.RUNNING, placed_on="h0")
     rows = [{"step": s, "host": h, "values": {"loss/policy": s * 0.5 + h, "reward/mean": 1.0}}
             for s in range(3) for h in (-1, 0, 1)]
     response = _post(client, worker, run_id, rows)
@@ -40,7 +40,7 @@ def test_ingest_and_retry_are_idempotent(client, db, worker):
 
 
 def test_repeats_inside_one_batch_keep_the_last_value(client, db, worker):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     rows = [{"step": 1, "values": {"a": 1.0}}, {"step": 1, "values": {"a": 2.0}}]
     assert _post(client, worker, run_id, rows).json()["values"] == 1
     assert _rows(db) == [("a", -1, 1, 2.0)]
@@ -54,7 +54,7 @@ def _deliveries(client, headers, run_id) -> dict[tuple[str, int], tuple[int, int
 
 def test_duplicates_the_upsert_collapses_stay_countable(client, db, worker, submitter):
     """Rows stored cannot show a duplicate (the primary key collapses it); the delivery count can."""
-    run_id = insert_run(db, RunStatus.RUNNING)
+    run_id = insert_run(db, RunStatus.RUNNING, placed_on="h0")
     rows = [{"step": s, "host": h, "values": {"a": float(s), "b": 1.0}} for s in range(4) for h in (-1, 0)]
     _post(client, worker, run_id, rows)
     assert _deliveries(client, submitter, run_id) == {(k, h): (4, 4) for k in "ab" for h in (-1, 0)}  # once each
@@ -67,10 +67,11 @@ def test_duplicates_the_upsert_collapses_stay_countable(client, db, worker, subm
     assert_error(client.get("/api/v1/runs/4242/metrics/deliveries", headers=submitter), 404, "RUN_NOT_FOUND")
 
 
-def test_metrics_arrive_for_finished_runs_too(client, db, worker):
-    # Workers buffer during outages and deliver late; the run may have ended meanwhile.
-    run_id = insert_run(db, RunStatus.SUCCEEDED)
-    assert _post(client, worker, run_id, [{"step": 9, "values": {"a": 1.0}}]).status_code == 200
+def test_metrics_for_a_finished_run_are_refused(client, db, worker):
+    # A worker delivers every metric before the exit report that can end the run; anything later is a
+    # stale relay (issue 17), refused so that it stops.
+    run_id = insert_run(db, RunStatus.SUCCEEDED, placed_on="h0")
+    assert_error(_post(client, worker, run_id, [{"step": 9, "values": {"a": 1.0}}]), 409, "RUN_FINISHED")
 
 
 @pytest.mark.parametrize("bad_row", [
@@ -86,7 +87,7 @@ def test_metrics_arrive_for_finished_runs_too(client, db, worker):
     {"values": {"a": 1.0}},
 ])
 def test_one_bad_row_rejects_the_whole_batch(client, db, worker, bad_row):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     good = [{"step": s, "values": {"a": float(s)}} for s in range(50)]
     error = assert_error(_post(client, worker, run_id, good + [bad_row] + good), 422, "VALIDATION_ERROR")
     assert error["details"][0]["field"].startswith("rows.50")  # names the offending row
@@ -95,7 +96,7 @@ def test_one_bad_row_rejects_the_whole_batch(client, db, worker, bad_row):
 
 @pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
 def test_non_finite_values_are_rejected(client, db, worker, literal):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     body = b'{"rows": [{"step": 1, "values": {"ok": 1.0}}, {"step": 2, "values": {"bad": ' + literal + b"}}]}"
     response = client.post(f"/api/v1/runs/{run_id}/metrics", content=body,
                            headers={**worker, "content-type": "application/json"})
@@ -106,7 +107,7 @@ def test_non_finite_values_are_rejected(client, db, worker, literal):
 def test_oversize_batches_are_413(db, worker, backend):
     small = create_app(backend.settings.model_copy(update={"metrics_batch_max_values": 100}), plugins=False)
     try:
-        run_id = insert_run(db)
+        run_id = insert_run(db, placed_on="h0")
         rows = [{"step": s, "values": {f"k{i}": 1.0 for i in range(10)}} for s in range(11)]
         error = assert_error(_post(TestClient(small), worker, run_id, rows), 413, "BATCH_TOO_LARGE")
         assert error["details"] == {"values": 110, "limit": 100}
@@ -140,7 +141,7 @@ def _history(client, headers, run_id, **params):
                          [(300, 1000, 1), (1000, 200, 1), (1000, 7, 1), (999, 10, 3), (5, 2, 100), (5000, 1000, 1)])
 def test_history_downsampling_matches_a_reference(client, db, worker, n_steps, max_points, stride):
     rng = random.Random(n_steps + max_points)
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     points = {s * stride + 3: rng.uniform(-5, 5) for s in range(n_steps)}
     rows = [{"step": step, "values": {"reward/mean": value}} for step, value in points.items()]
     for start in range(0, len(rows), 700):  # batches that straddle rollup buckets
@@ -157,7 +158,7 @@ def test_history_downsampling_matches_a_reference(client, db, worker, n_steps, m
 
 
 def test_rollups_follow_corrections_both_ways(client, db, worker):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     _post(client, worker, run_id, [{"step": s, "values": {"loss/kl": 1.0}} for s in range(4096)])
     (series,) = _history(client, worker, run_id, key="loss/kl", max_points=16)
     assert series["bucket_steps"] == 256 and set(series["min"]) == {1.0}
@@ -172,7 +173,7 @@ def test_rollups_follow_corrections_both_ways(client, db, worker):
 @pytest.mark.parametrize(("start", "end"), [(256, 2303), (100, 3000), (0, None), (None, 1000)])
 def test_history_windows_aligned_or_not_are_exact(client, db, worker, start, end):
     rng = random.Random(7)
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     points = {s: rng.uniform(0, 1) for s in range(4000)}
     _post(client, worker, run_id, [{"step": s, "values": {"a": v}} for s, v in points.items()])
     window = {s: v for s, v in points.items() if (start is None or s >= start) and (end is None or s <= end)}
@@ -184,7 +185,7 @@ def test_history_windows_aligned_or_not_are_exact(client, db, worker, start, end
 
 
 def test_history_for_several_keys_and_hosts_and_a_step_window(client, db, worker):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     rows = [{"step": s, "host": h, "values": {"time/step": 1.0 + h, "loss/kl": -s}} for s in range(100) for h in (-1, 0, 1)]
     _post(client, worker, run_id, rows)
     params = [("key", "time/step"), ("key", "loss/kl"), ("key", "missing"), ("host", "0"), ("host", "1"),
@@ -200,26 +201,26 @@ def test_history_for_several_keys_and_hosts_and_a_step_window(client, db, worker
 
 @pytest.mark.parametrize("params", [{}, {"key": "a", "max_points": 1}, {"key": "a", "host": -2}, {"key": "bad key"}])
 def test_bad_history_queries_are_422(client, db, worker, params):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     assert_error(client.get(f"/api/v1/runs/{run_id}/metrics/history", params=params, headers=worker), 422)
 
 
 def test_too_many_series_is_422(client, db, worker):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     params = [("key", f"k{i}") for i in range(33)] + [("host", "0"), ("host", "1")]
     error = assert_error(client.get(f"/api/v1/runs/{run_id}/metrics/history", params=params, headers=worker), 422)
     assert "series" in error["message"]
 
 
 def test_max_points_is_clamped_to_the_server_maximum(client, db, worker, backend):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     history = client.get(f"/api/v1/runs/{run_id}/metrics/history", params={"key": "a", "max_points": 10**9},
                          headers=worker).json()
     assert history["max_points"] == backend.settings.history_max_points
 
 
 def test_summary_and_keys(client, db, worker):
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     _post(client, worker, run_id, [{"step": s, "host": h, "values": {"reward/mean": s / 10, "time/step": 2.0}}
                                    for s in range(5) for h in (-1, 0)])
     _post(client, worker, run_id, [{"step": 7, "values": {"reward/mean": 0.9}}])  # aggregated only
@@ -235,7 +236,7 @@ def test_summary_and_keys(client, db, worker):
     _post(client, worker, run_id, [{"step": 7, "values": {"reward/mean": 0.95}}])
     latest = client.get(f"/api/v1/runs/{run_id}/metrics/summary", headers=worker).json()["values"]["reward/mean"]
     assert latest == {"step": 7, "value": 0.95}
-    empty = client.get(f"/api/v1/runs/{insert_run(db)}/metrics/summary", headers=worker).json()
+    empty = client.get(f"/api/v1/runs/{insert_run(db, placed_on='h0')}/metrics/summary", headers=worker).json()
     assert (empty["last_step"], empty["values"]) == (None, {})
 
 
@@ -244,11 +245,12 @@ def test_metric_reads_of_unknown_runs_are_404(client, worker):
         assert_error(client.get(f"/api/v1/runs/5555/metrics/{path}", headers=worker), 404, "RUN_NOT_FOUND")
 
 
-def test_deleting_a_run_deletes_its_metrics(client, db, worker, submitter):
-    keep, drop = insert_run(db, RunStatus.FAILED), insert_run(db, RunStatus.FAILED)
+def test_deleting_a_run_deletes_its_metrics(client, db, worker, admin):
+    keep, drop = insert_run(db, RunStatus.RUNNING, placed_on="h0"), insert_run(db, RunStatus.RUNNING, placed_on="h0")
     for run_id in (keep, drop):
-        _post(client, worker, run_id, [{"step": 0, "values": {"a": 1.0}}])
-    client.delete(f"/api/v1/runs/{drop}", headers=submitter)
+        assert _post(client, worker, run_id, [{"step": 0, "values": {"a": 1.0}}]).status_code == 200
+        client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "FAILED"}, headers=admin)
+    assert client.delete(f"/api/v1/runs/{drop}", headers=admin).status_code == 204
     with db.read_session() as session:
         assert session.scalar(select(func.count()).select_from(StepMetric)) == 1
 
@@ -273,7 +275,7 @@ def test_bucket_plan_properties():
 
 def test_random_retries_corrections_and_late_rows_keep_every_query_exact(client, db, worker):
     rng = random.Random(5)
-    run_id = insert_run(db)
+    run_id = insert_run(db, placed_on="h0")
     truth: dict[tuple[str, int], dict[int, float]] = {}
     sent: list[list[dict]] = []
     for _ in range(25):
@@ -303,7 +305,7 @@ def test_random_retries_corrections_and_late_rows_keep_every_query_exact(client,
 
 
 def test_a_run_holds_at_most_a_thousand_distinct_metric_keys(client, db, worker):
-    run_id = insert_run(db, RunStatus.RUNNING)
+    run_id = insert_run(db, RunStatus.RUNNING, placed_on="h0")
     first = {f"k/{i}": 1.0 for i in range(600)}
     assert _post(client, worker, run_id, [{"step": 0, "values": first}]).status_code == 200
     # Known keys at later steps are always fine; new keys only up to the limit.

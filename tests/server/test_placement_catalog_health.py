@@ -48,7 +48,7 @@ def test_placement_library_unavailable_is_503(client, submitter, monkeypatch):
     assert_error(client.post("/api/v1/placement/recommend", json=ASK, headers=submitter), 503, "PLACEMENT_UNAVAILABLE")
 
 
-def test_decisions_list_and_the_measured_step_time_of_a_run_that_followed_one(client, db, submitter, worker):
+def test_decisions_list_and_the_measured_step_time_of_a_run_that_followed_one(client, db, submitter, worker, admin):
     ids = [client.post("/api/v1/placement/recommend", json={**ASK, "chips": chips}, headers=submitter).json()["id"]
            for chips in (8, 16, 32)]
     page = client.get("/api/v1/placement/decisions", params={"limit": 2}, headers=submitter).json()
@@ -61,10 +61,10 @@ def test_decisions_list_and_the_measured_step_time_of_a_run_that_followed_one(cl
     run = client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).json()
     assert run["decision_id"] == ids[2]
     for state in ("STARTING", "RUNNING"):
-        client.post(f"/api/v1/runs/{run['id']}/transitions", json={"to": state}, headers=worker)
+        client.post(f"/api/v1/runs/{run['id']}/transitions", json={"to": state}, headers=admin)
     rows = [{"step": s, "host": AGGREGATE_HOST, "values": {"time/step": t}} for s, t in enumerate([5.0, 0.4, 0.5, 0.6])]
-    client.post(f"/api/v1/runs/{run['id']}/metrics", json={"rows": rows}, headers=worker)
-    done = client.post(f"/api/v1/runs/{run['id']}/transitions", json={"to": "SUCCEEDED"}, headers=worker).json()
+    client.post(f"/api/v1/runs/{run['id']}/metrics", json={"rows": rows, "attempt": 0}, headers=admin)
+    done = client.post(f"/api/v1/runs/{run['id']}/transitions", json={"to": "SUCCEEDED"}, headers=admin).json()
     assert done["measured_step_s"] == pytest.approx(0.55)
     decision = client.get(f"/api/v1/placement/decisions/{ids[2]}", headers=submitter).json()
     assert decision["measured_step_s"] == pytest.approx(0.55) and decision["measured_run_id"] == run["id"]

@@ -7,9 +7,9 @@ import concurrent.futures
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
-from server.models import TERMINAL_STATES, Run, RunStatus, StepMetric
+from server.models import TERMINAL_STATES, HostProcessStatus, HostRole, Run, RunHost, RunStatus, StepMetric
 from tests.server.helpers import assert_error, insert_run
 
 S = RunStatus
@@ -89,7 +89,7 @@ def db_settings_data_file(client) -> str:
 def test_paths_inside_the_roots_are_accepted(client, submitter):
     settings = client.app.state.settings
     spec = {"name": "inside", "task": {"name": "gsm8k", "path": str(settings.data_roots[0] / "sub" / "gsm8k.jsonl")},
-            "output_dir": str(settings.runs_root / "inside")}
+            "model": {"checkpoint": str(settings.runs_root / "7-sft" / "model")}}
     assert client.post("/api/v1/runs", json={"spec": spec}, headers=submitter).status_code == 201
 
 
@@ -282,9 +282,9 @@ CANCEL_OUTCOME = {
 
 
 @pytest.mark.parametrize("state", list(RunStatus), ids=lambda s: s.value)
-def test_cancel_from_every_state(client, db, submitter, state):
-    run_id = insert_run(db, state)
-    response = client.post(f"/api/v1/runs/{run_id}/cancel", headers=submitter)
+def test_cancel_from_every_state(client, db, submitter, admin, state):
+    run_id = insert_run(db, state)  # no owner: only an admin may act on it (ownership: test_isolation)
+    response = client.post(f"/api/v1/runs/{run_id}/cancel", headers=admin)
     if state in TERMINAL_STATES:
         error = assert_error(response, 409, "ILLEGAL_TRANSITION")
         assert error["details"]["from"] == state.value
@@ -299,9 +299,9 @@ def test_cancel_from_every_state(client, db, submitter, state):
 
 
 @pytest.mark.parametrize("state", list(RunStatus), ids=lambda s: s.value)
-def test_resume_from_every_state(client, db, submitter, state):
+def test_resume_from_every_state(client, db, submitter, admin, state):
     run_id = insert_run(db, state, last_checkpoint_step=50, attempt=0, restarts=2)
-    response = client.post(f"/api/v1/runs/{run_id}/resume", headers=submitter)
+    response = client.post(f"/api/v1/runs/{run_id}/resume", headers=admin)
     if state not in (S.FAILED, S.CANCELLED):
         assert_error(response, 409, "ILLEGAL_TRANSITION")
         assert client.get(f"/api/v1/runs/{run_id}", headers=submitter).json()["status"] == state.value
@@ -314,10 +314,15 @@ def test_resume_from_every_state(client, db, submitter, state):
 
 
 @pytest.mark.parametrize("state", list(RunStatus), ids=lambda s: s.value)
-def test_delete_only_finished_runs(client, db, submitter, worker, state):
-    run_id = insert_run(db, state)
-    client.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": [{"step": 0, "values": {"a": 1.0}}]}, headers=worker)
-    response = client.delete(f"/api/v1/runs/{run_id}", headers=submitter)
+def test_delete_only_finished_runs(client, db, submitter, worker, admin, state):
+    run_id = insert_run(db, S.RUNNING, placed_on="h0")
+    posted = client.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": [{"step": 0, "values": {"a": 1.0}}],
+                                                                 "attempt": 0}, headers=worker)
+    assert posted.status_code == 200, posted.text
+    with db.write_session() as session:
+        session.execute(update(Run).where(Run.id == run_id).values(status=state))
+        session.commit()
+    response = client.delete(f"/api/v1/runs/{run_id}", headers=admin)
     if state not in TERMINAL_STATES:
         assert_error(response, 409, "RUN_NOT_TERMINAL")
         assert client.get(f"/api/v1/runs/{run_id}", headers=submitter).status_code == 200
@@ -328,25 +333,25 @@ def test_delete_only_finished_runs(client, db, submitter, worker, state):
         assert session.scalar(select(func.count()).select_from(StepMetric)) == 0
 
 
-def test_resume_then_cancel_then_resume_again(client, db, submitter):
+def test_resume_then_cancel_then_resume_again(client, db, admin):
     run_id = insert_run(db, S.FAILED)
-    assert client.post(f"/api/v1/runs/{run_id}/resume", headers=submitter).json()["attempt"] == 1
-    assert client.post(f"/api/v1/runs/{run_id}/cancel", headers=submitter).json()["status"] == "CANCELLED"
-    assert client.post(f"/api/v1/runs/{run_id}/resume", headers=submitter).json()["attempt"] == 2
+    assert client.post(f"/api/v1/runs/{run_id}/resume", headers=admin).json()["attempt"] == 1
+    assert client.post(f"/api/v1/runs/{run_id}/cancel", headers=admin).json()["status"] == "CANCELLED"
+    assert client.post(f"/api/v1/runs/{run_id}/resume", headers=admin).json()["attempt"] == 2
 
 
 # --- worker reports ---------------------------------------------------------------------------------
 
-def test_worker_drives_a_run_to_success(client, submitter, worker):
+def test_worker_drives_a_run_to_success(client, submitter, worker, admin):
     run_id = client.post("/api/v1/runs", json={"spec": SPEC}, headers=submitter).json()["id"]
     for state in ("STARTING", "RUNNING"):
-        assert client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": state}, headers=worker).json()["status"] == state
+        assert client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": state}, headers=admin).json()["status"] == state
     # a retried report of the current state is a no-op, not an error
-    again = client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "RUNNING"}, headers=worker)
+    again = client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "RUNNING"}, headers=admin)
     assert again.status_code == 200 and again.json()["status"] == "RUNNING"
     for step in (25, 10, 50):  # out of order: only moves forward
-        client.post(f"/api/v1/runs/{run_id}/checkpoints", json={"step": step}, headers=worker)
-    done = client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "SUCCEEDED", "reason": "10 steps"}, headers=worker)
+        client.post(f"/api/v1/runs/{run_id}/checkpoints", json={"step": step, "attempt": 0}, headers=admin)
+    done = client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": "SUCCEEDED", "reason": "10 steps"}, headers=admin)
     assert done.json()["status"] == "SUCCEEDED" and done.json()["last_checkpoint_step"] == 50
     messages = [e["message"] for e in client.get(f"/api/v1/runs/{run_id}/events", headers=submitter).json()["data"]]
     assert messages[1:] == ["QUEUED -> STARTING", "STARTING -> RUNNING", "checkpoint saved at step 25",
@@ -357,28 +362,33 @@ def test_worker_drives_a_run_to_success(client, submitter, worker):
     (S.QUEUED, S.RUNNING), (S.QUEUED, S.SUCCEEDED), (S.RUNNING, S.QUEUED), (S.SUCCEEDED, S.RUNNING),
     (S.FAILED, S.QUEUED), (S.CANCELLED, S.RUNNING), (S.CANCELLING, S.RUNNING), (S.RECOVERING, S.SUCCEEDED),
 ])
-def test_worker_illegal_transitions_are_409_and_not_written(client, db, worker, state, target):
+def test_worker_illegal_transitions_are_409_and_not_written(client, db, worker, state, target, admin):
     run_id = insert_run(db, state)
-    error = assert_error(client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": target.value}, headers=worker),
+    error = assert_error(client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": target.value}, headers=admin),
                          409, "ILLEGAL_TRANSITION")
     assert (error["details"]["from"], error["details"]["to"]) == (state.value, target.value)
     with db.read_session() as session:
         assert session.get(Run, run_id).status == state
 
 
-def test_worker_transition_with_a_stale_expectation_is_409(client, db, worker):
+def test_worker_transition_with_a_stale_expectation_is_409(client, db, worker, admin):
     run_id = insert_run(db, S.CANCELLING)
     body = {"to": "FAILED", "expected": "RUNNING"}
-    assert_error(client.post(f"/api/v1/runs/{run_id}/transitions", json=body, headers=worker), 409, "RUN_STATE_CHANGED")
+    assert_error(client.post(f"/api/v1/runs/{run_id}/transitions", json=body, headers=admin), 409, "RUN_STATE_CHANGED")
 
 
 def test_run_host_processes(client, db, submitter, worker):
     run_id = insert_run(db, S.STARTING, attempt=3)
+    with db.write_session() as session:  # what the scheduler does when it starts the attempt
+        for index in (0, 1):
+            session.add(RunHost(run_id=run_id, attempt=3, process_index=index, host_name=f"h{index}",
+                                role=HostRole.CO, status=HostProcessStatus.STARTING))
+        session.commit()
     for index in (1, 0):
-        body = {"host_name": f"h{index}", "role": "co", "status": "STARTING", "pid": 1000 + index}
+        body = {"host_name": f"h{index}", "role": "co", "status": "STARTING", "pid": 1000 + index, "attempt": 3}
         assert client.put(f"/api/v1/runs/{run_id}/hosts/{index}", json=body, headers=worker).status_code == 200
-    update = {"host_name": "h0", "role": "co", "status": "FAILED", "exit_code": -9}
-    row = client.put(f"/api/v1/runs/{run_id}/hosts/0", json=update, headers=worker).json()
+    changes = {"host_name": "h0", "role": "co", "status": "FAILED", "exit_code": -9, "attempt": 3}
+    row = client.put(f"/api/v1/runs/{run_id}/hosts/0", json=changes, headers=worker).json()
     assert (row["status"], row["exit_code"], row["pid"], row["attempt"]) == ("FAILED", -9, 1000, 3)
     # A failed process sends the run to RECOVERING, a new attempt (the lifecycle, tested in test_scheduling).
     run = client.get(f"/api/v1/runs/{run_id}", headers=submitter).json()
@@ -387,7 +397,7 @@ def test_run_host_processes(client, db, submitter, worker):
     assert [(r["process_index"], r["host_name"], r["status"]) for r in rows] == [(0, "h0", "FAILED"), (1, "h1", "STARTING")]
     assert client.get(f"/api/v1/runs/{run_id}/hosts", headers=submitter).json()["data"] == []
     assert client.get(f"/api/v1/runs/{run_id}/hosts", params={"attempt": 2}, headers=submitter).json()["data"] == []
-    bad = {"host_name": "h0", "role": "mystery", "status": "RUNNING"}
+    bad = {"host_name": "h0", "role": "mystery", "status": "RUNNING", "attempt": 4}
     assert_error(client.put(f"/api/v1/runs/{run_id}/hosts/0", json=bad, headers=worker), 422)
 
 

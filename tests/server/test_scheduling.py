@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from server.models import Host, HostProcessStatus, HostRecordStatus, Run, RunHost, RunStatus, utcnow
 from server.schemas import RunHostUpsert
-from server.services import lifecycle, scheduling
+from server.services import host_reports, lifecycle, scheduling
 from server.services import runs as run_service
 from tests.server.helpers import insert_run
 
@@ -27,9 +27,9 @@ def add_hosts(db, *names: str, age_s: float = 0.0) -> None:
         session.commit()
 
 
-def tick(backend, now=None):
+def tick(backend, now=None, **settings):
     with backend.db.write_session() as session:
-        return scheduling.tick(session, backend.settings, now)
+        return scheduling.tick(session, backend.settings.model_copy(update=settings), now)
 
 
 def reserved(db) -> dict[str, int | None]:
@@ -44,8 +44,11 @@ def run_row(db, run_id: int) -> Run:
 
 def report(db, run_id: int, index: int, status: P, **fields) -> None:
     with db.write_session() as session:
-        body = RunHostUpsert(host_name=fields.pop("host_name", f"h{index}"), role="co", status=status, **fields)
-        run_service.upsert_host_process(session, run_id, index, body)
+        attempt = fields.pop("attempt", None)
+        attempt = session.get(Run, run_id).attempt if attempt is None else attempt
+        body = RunHostUpsert(host_name=fields.pop("host_name", f"h{index}"), role="co", status=status,
+                             attempt=attempt, **fields)
+        host_reports.upsert_host_process(session, run_id, index, body)
 
 
 def test_a_run_gets_all_its_hosts_or_none(backend):
@@ -65,13 +68,65 @@ def test_a_run_gets_all_its_hosts_or_none(backend):
     assert {m.host_name for m in messages} == {"h0", "h1"} and {m.run_id for m in messages} == {second}
 
 
-def test_first_in_first_out_even_when_a_younger_run_would_fit(backend):
+def test_a_run_needing_more_hosts_than_exist_waits_with_a_reason_and_blocks_nobody(backend):
     add_hosts(backend.db, "h0", "h1")
-    big = insert_run(backend.db, hosts_needed=3)
+    big = insert_run(backend.db, hosts_needed=512)
     small = insert_run(backend.db, hosts_needed=1)
-    assert tick(backend) == []
-    assert run_row(backend.db, big).status is S.QUEUED and run_row(backend.db, small).status is S.QUEUED
-    assert set(reserved(backend.db).values()) == {None}
+    messages = tick(backend)
+    assert [m.run_id for m in messages] == [small]
+    assert run_row(backend.db, small).status is S.STARTING
+    waiting = run_row(backend.db, big)
+    assert waiting.status is S.QUEUED and "placement.hosts is 512" in waiting.status_reason
+    assert "2 usable" in waiting.status_reason
+    assert reserved(backend.db) == {"h0": small, "h1": None}  # the unsatisfiable run holds nothing
+
+
+def _finish(db, run_id: int) -> None:
+    with db.write_session() as session:
+        run_service.transition(session, session.get(Run, run_id), S.FAILED, reason="test")
+        session.commit()
+
+
+def test_younger_runs_backfill_until_the_oldest_has_waited_then_it_holds_hosts_as_they_free(backend):
+    add_hosts(backend.db, "h0", "h1")
+    wait = {"backfill_wait_s": 5.0}
+    busy = insert_run(backend.db, hosts_needed=1, name="busy")
+    assert [m.run_id for m in tick(backend, **wait)] == [busy]  # on h0
+    now = utcnow()
+    oldest = insert_run(backend.db, hosts_needed=2, name="oldest", queued_since=now)
+    young = insert_run(backend.db, hosts_needed=1, name="young", queued_since=now)
+    # The oldest fits the cluster but not its free hosts: a younger run that fits starts meanwhile.
+    assert [m.run_id for m in tick(backend, now, **wait)] == [young]
+    assert "younger runs that fit may start" in run_row(backend.db, oldest).status_reason
+    _finish(backend.db, young)  # h1 frees
+    later = now + timedelta(seconds=6)
+    younger = insert_run(backend.db, hosts_needed=1, name="younger", queued_since=later)
+    # Past its wait the oldest holds every host that frees, so younger runs no longer overtake it.
+    assert tick(backend, later, **wait) == []
+    assert reserved(backend.db) == {"h0": busy, "h1": oldest}
+    assert run_row(backend.db, younger).status is S.QUEUED
+    assert "holding 1 of 2" in run_row(backend.db, oldest).status_reason
+    _finish(backend.db, busy)
+    assert {(m.run_id, m.host_name) for m in tick(backend, later, **wait)} == {(oldest, "h0"), (oldest, "h1")}
+    assert run_row(backend.db, oldest).status is S.STARTING and run_row(backend.db, younger).status is S.QUEUED
+
+
+def test_a_failure_starting_one_run_does_not_stop_the_others_in_the_same_tick(backend):
+    add_hosts(backend.db, "h0", "h1")
+    broken = insert_run(backend.db, hosts_needed=1, name="broken")
+    healthy = insert_run(backend.db, hosts_needed=1, name="healthy")
+    # A row of attempt 0 that the scheduler did not place (what a forged report used to create): the
+    # start of `broken` hits the unique constraint of run_hosts.
+    with backend.db.write_session() as session:
+        session.add(RunHost(run_id=broken, attempt=0, process_index=0, host_name="elsewhere", role="co",
+                            status=P.EXITED))
+        session.commit()
+    messages = tick(backend)
+    assert [m.run_id for m in messages] == [healthy]
+    failed = run_row(backend.db, broken)
+    assert failed.status is S.QUEUED and failed.dispatch_failures == 1 and failed.not_before is not None
+    assert "start failed" in failed.status_reason
+    assert set(reserved(backend.db).values()) == {healthy, None}  # nothing left reserved for `broken`
 
 
 def test_hosts_with_stale_heartbeats_are_not_reserved(backend):
@@ -87,20 +142,33 @@ def test_hosts_with_stale_heartbeats_are_not_reserved(backend):
     assert run_row(backend.db, single).status is S.STARTING
 
 
-def test_modes_other_than_co_start_one_process(backend):
-    add_hosts(backend.db, "h0", "h1")
-    run_id = insert_run(backend.db, hosts_needed=2, mode="da", spec={"name": "da-run"})
+def test_sc_starts_a_controller_and_a_worker_on_every_reserved_host(backend):
+    add_hosts(backend.db, "h0", "h1", "h2")
+    run_id = insert_run(backend.db, hosts_needed=3, mode="sc", spec={"name": "sc-run"})
     messages = tick(backend)
-    assert [(m.process_index, m.num_processes, m.role) for m in messages] == [(0, 1, "controller")]
-    assert reserved(backend.db) == {"h0": run_id, "h1": run_id}
+    assert [(m.host_name, m.process_index, m.num_processes, m.role) for m in messages] == [
+        ("h0", 0, 3, "controller"), ("h1", 1, 3, "worker"), ("h2", 2, 3, "worker")]
+    assert reserved(backend.db) == {"h0": run_id, "h1": run_id, "h2": run_id}
+    # One secret per attempt, the same in every message of it, and never the empty one.
+    assert len({m.secret for m in messages}) == 1 and len(messages[0].secret) >= 32
+
+
+def test_a_da_run_starts_its_driver_and_a_ray_node_on_every_other_reserved_host(backend):
+    add_hosts(backend.db, "h0", "h1", "h2")
+    placement = {"mode": "da", "hosts": 3, "rollout_fraction": 0.34}  # 1 rollout host, 2 train hosts
+    run_id = insert_run(backend.db, hosts_needed=3, mode="da", spec={"name": "da-run", "placement": placement})
+    messages = tick(backend)
+    assert [(m.host_name, m.process_index, m.num_processes, m.role) for m in messages] == [
+        ("h0", 0, 3, "controller"), ("h1", 1, 3, "train"), ("h2", 2, 3, "rollout")]
+    assert reserved(backend.db) == {"h0": run_id, "h1": run_id, "h2": run_id}
 
 
 def test_an_attempt_that_does_not_start_in_time_is_requeued_with_backoff(backend):
     settings = backend.settings
-    add_hosts(backend.db, "h0", "h1")
+    add_hosts(backend.db, "h0", "h1", "h2")
     run_id = insert_run(backend.db, hosts_needed=2)
     tick(backend)
-    report(backend.db, run_id, 0, P.RUNNING, pid=10)  # host 1 never answers
+    report(backend.db, run_id, 0, P.RUNNING, pid=10)  # host 1 never answers (a fake or broken worker)
 
     later = utcnow() + timedelta(seconds=settings.dispatch_resend_s + 0.5)
     resent = tick(backend, later)
@@ -118,6 +186,12 @@ def test_an_attempt_that_does_not_start_in_time_is_requeued_with_backoff(backend
     assert set(reserved(backend.db).values()) == {None}
     retry = tick(backend, run.not_before + timedelta(seconds=0.1))
     assert {(m.attempt, m.resume) for m in retry} == {(1, True)}
+    # h1 took up nothing: it is benched (doubling per failure) rather than attracting the retry again.
+    assert {m.host_name for m in retry} == {"h0", "h2"}
+    with backend.db.read_session() as session:
+        benched = session.scalar(select(Host).where(Host.name == "h1"))
+        assert benched.start_failures == 1 and benched.not_before == later + timedelta(seconds=settings.start_timeout_s)
+        assert session.scalar(select(Host).where(Host.name == "h0")).start_failures == 0
 
 
 def test_a_lost_host_sends_its_run_to_recovery_and_the_group_restarts(backend):

@@ -24,7 +24,8 @@ def test_embedded_defaults_need_no_environment(monkeypatch):
     assert settings.database_url == "sqlite:///.locojax/locojax.db"
     assert settings.broker_url == "sqla+sqlite:///.locojax/broker.db"
     assert settings.migrate_on_start is True and settings.is_sqlite
-    assert settings.data_roots == [Path(".")] and settings.runs_root == Path("runs")
+    # A dedicated data directory, never the working directory; both made absolute (issue 17).
+    assert settings.data_roots == [Path.cwd() / ".locojax" / "data"] and settings.runs_root == Path.cwd() / "runs"
 
 
 def test_environment_overrides(monkeypatch):

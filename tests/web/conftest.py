@@ -63,7 +63,8 @@ def web_sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def make_tokens(db: Database) -> dict[str, str]:
     with db.write_session() as session:
-        return {scope: token_service.create(session, name=f"web-{scope}", scopes=[scope])[1]
+        return {scope: token_service.create(session, name=f"web-{scope}", scopes=[scope],
+                                            hosts="browser-*" if scope == "worker" else None)[1]
                 for scope in ("submit", "worker", "admin")}
 
 
@@ -169,7 +170,7 @@ class LiveServer:
     url: str
     app: FastAPI
     tokens: dict[str, str]
-    worker: httpx.Client = field(repr=False)
+    worker: httpx.Client = field(repr=False)  # an admin client: moves runs by hand, reports for any host
     submitter: httpx.Client = field(repr=False)
 
 
@@ -192,7 +193,9 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
             raise RuntimeError("the dashboard server did not start")
         time.sleep(0.05)
     base = f"http://127.0.0.1:{port}"
-    worker = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {tokens['worker']}"}, timeout=30)
+    # No scheduler or workers here: the "worker" side is played by an admin token, the one that may move
+    # runs by hand and report without a placed host process (issue 17).
+    worker = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {tokens['admin']}"}, timeout=30)
     submitter = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {tokens['submit']}"}, timeout=30)
     try:
         yield LiveServer(base, app, tokens, worker, submitter)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from server.models import HostProcessStatus, HostRole, RunHost
 from tests.web.conftest import ARTIFACTS, LiveServer
 
 pytestmark = [pytest.mark.browser, pytest.mark.postgres, pytest.mark.slow]
@@ -80,12 +81,12 @@ def _metrics(server: LiveServer, run_id: int, steps: range) -> None:
         "completion/len_mean": 10 + step % 5, "throughput/rollout_tokens_per_s": 900.0 + step,
         "throughput/train_tokens_per_s": 1500.0 - step, "time/step": 0.5, "time/device": 0.3, "time/host": 0.15,
         "time/network": 0.05}} for step in steps]
-    response = server.worker.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows})
+    response = server.worker.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows, "attempt": 0})
     assert response.status_code == 200, response.text
 
 
 def _event(server: LiveServer, run_id: int, message: str) -> None:
-    response = server.worker.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": message}]})
+    response = server.worker.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": message}], "attempt": 0})
     assert response.status_code == 200, response.text
 
 
@@ -101,8 +102,12 @@ def test_run_page_follows_a_run_to_succeeded_without_a_reload(page, live_server:
                          placement={"mode": decision.json()["mode"], "decision_id": decision.json()["id"]})
     _transition(live_server, run_id, "STARTING")
     _transition(live_server, run_id, "RUNNING")
+    with live_server.app.state.db.write_session() as session:  # placed, as the scheduler would
+        session.add(RunHost(run_id=run_id, attempt=0, process_index=0, host_name="browser-host", role=HostRole.CO,
+                            status=HostProcessStatus.STARTING))
+        session.commit()
     response = live_server.worker.put(f"/api/v1/runs/{run_id}/hosts/0", json={
-        "host_name": "browser-host", "role": "co", "status": "RUNNING", "pid": 4242})
+        "host_name": "browser-host", "role": "co", "status": "RUNNING", "pid": 4242, "attempt": 0})
     assert response.status_code == 200, response.text
     _metrics(live_server, run_id, range(0, 10))
 

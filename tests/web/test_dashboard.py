@@ -11,7 +11,10 @@ from html import unescape
 import pytest
 from sqlalchemy import func, select
 
-from server.models import PlacementDecision, Run, RunStatus
+from server.models import ApiToken, PlacementDecision, Run, RunStatus
+from server.schemas import EventCreate, MetricsBatch
+from server.services import events as event_service
+from server.services import metrics as metric_service
 from server.services import tokens as token_service
 from tests.server.helpers import insert_run
 from tests.web.conftest import Browsing, Site, csrf_from, login
@@ -26,11 +29,23 @@ def _run_count(site: Site) -> int:
         return session.scalar(select(func.count()).select_from(Run))
 
 
-def _ingest(site: Site, run_id: int, steps: range, keys=("reward/mean", "time/step")) -> None:
-    client = site.client()
-    rows = [{"step": step, "values": {key: float(step % 7) for key in keys}} for step in steps]
-    response = client.post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows}, headers=site.bearer("worker"))
-    assert response.status_code == 200, response.text
+def _ingest(site: Site, run_id: int, steps: range, keys=("reward/mean", "time/step"), rows=None) -> None:
+    """Metrics stored as ingest stores them (test setup: the runs here have no host processes to report)."""
+    rows = rows or [{"step": step, "values": {key: float(step % 7) for key in keys}} for step in steps]
+    with site.db.write_session() as session:
+        metric_service.ingest(session, run_id, MetricsBatch(rows=rows, attempt=0), max_values=100_000)
+
+
+def _events(site: Site, run_id: int, messages: list[str]) -> None:
+    with site.db.write_session() as session:
+        event_service.append(session, run_id, [EventCreate(message=m) for m in messages], source="host0")
+
+
+def _owned(site: Site, status: RunStatus, scope: str = "submit", **fields) -> int:
+    """A run submitted by the site's `scope` token: the one its sessions may cancel and resume."""
+    with site.db.read_session() as session:
+        token_id = session.scalar(select(ApiToken.id).where(ApiToken.name == f"web-{scope}"))
+    return insert_run(site.db, status, owner_token_id=token_id, **fields)
 
 
 def _error_near(html: str, field: str) -> list[str]:
@@ -166,7 +181,7 @@ def test_another_sessions_csrf_token_is_refused(site: Site):
 
 
 def test_htmx_requests_carry_the_csrf_token_in_a_header(submitter: Browsing):
-    run_id = insert_run(submitter.site.db, S.QUEUED)
+    run_id = _owned(submitter.site, S.QUEUED)
     response = submitter.client.post(f"/runs/{run_id}/cancel",
                                      headers={"HX-Request": "true", "X-CSRF-Token": submitter.csrf})
     assert response.status_code == 200
@@ -303,7 +318,7 @@ def test_the_badge_follows_the_run_to_its_final_state(submitter: Browsing):
     for to in ("STARTING", "RUNNING", "SUCCEEDED"):
         badge = submitter.client.get(f"/runs/{run_id}/status").text
         seen.append(("hx-trigger" in badge, re.search(r'data-status="(\w+)"', badge).group(1)))
-        worker.post(f"/api/v1/runs/{run_id}/transitions", json={"to": to}, headers=submitter.site.bearer("worker"))
+        worker.post(f"/api/v1/runs/{run_id}/transitions", json={"to": to}, headers=submitter.site.bearer("admin"))
     badge = submitter.client.get(f"/runs/{run_id}/status").text
     seen.append(("hx-trigger" in badge, re.search(r'data-status="(\w+)"', badge).group(1)))
     assert seen == [(True, "QUEUED"), (True, "STARTING"), (True, "RUNNING"), (False, "SUCCEEDED")]
@@ -338,8 +353,7 @@ def test_run_page_charts_held_out_evaluation_at_its_own_steps(submitter: Browsin
     _ingest(site, run_id, range(0, 10))
     rows = [{"step": step, "values": {"eval/accuracy": accuracy, "eval/pass@k": passed}}
             for step, accuracy, passed in ((0, 0.25, 0.5), (5, 0.375, 0.625), (10, 0.5, 0.75))]
-    response = site.client().post(f"/api/v1/runs/{run_id}/metrics", json={"rows": rows}, headers=site.bearer("worker"))
-    assert response.status_code == 200, response.text
+    _ingest(site, run_id, range(0), rows=rows)
     payload = submitter.client.get(f"/runs/{run_id}/charts.json").json()
     chart = next(chart for chart in payload["charts"] if chart["id"] == "eval")
     assert chart["x"] == [0, 5, 10]
@@ -364,9 +378,7 @@ def test_the_run_page_reads_without_javascript(submitter: Browsing):
     site = submitter.site
     run_id = insert_run(site.db, S.RUNNING, name="readable", spec={"name": "readable", "steps": 200})
     _ingest(site, run_id, range(0, 12))
-    worker = site.client()
-    worker.post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": "hello <b>world</b>"}]},
-                headers=site.bearer("worker"))
+    _events(site, run_id, ["hello <b>world</b>"])
     html = submitter.client.get(f"/runs/{run_id}").text
     assert "readable" in html and 'id="run-status"' in html and ">RUNNING<" in html
     assert "last 4 at step 11" in html  # the chart's numbers, for readers without the script
@@ -378,8 +390,7 @@ def test_the_run_page_reads_without_javascript(submitter: Browsing):
 def test_the_events_stream_sends_rendered_rows_then_ends_for_a_finished_run(submitter: Browsing):
     site = submitter.site
     run_id = insert_run(site.db, S.SUCCEEDED)
-    site.client().post(f"/api/v1/runs/{run_id}/events", json={"events": [{"message": f"line {i}"} for i in range(3)]},
-                       headers=site.bearer("worker"))
+    _events(site, run_id, [f"line {i}" for i in range(3)])
     with submitter.client.stream("GET", f"/runs/{run_id}/events/stream") as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         body = "".join(response.iter_text())
@@ -392,21 +403,36 @@ def test_the_events_stream_sends_rendered_rows_then_ends_for_a_finished_run(subm
 
 
 def test_cancel_and_resume_buttons_follow_the_state(submitter: Browsing):
-    run_id = insert_run(submitter.site.db, S.RUNNING)
+    run_id = _owned(submitter.site, S.RUNNING)
     assert 'id="cancel-run"' in submitter.client.get(f"/runs/{run_id}").text
     response = submitter.post(f"/runs/{run_id}/cancel")
     assert (response.status_code, response.headers["location"]) == (303, f"/runs/{run_id}")
     page = submitter.client.get(f"/runs/{run_id}").text
     assert ">CANCELLING<" in page and 'id="cancel-run"' not in page
-    failed = insert_run(submitter.site.db, S.FAILED)
+    failed = _owned(submitter.site, S.FAILED)
     assert 'id="resume-run"' in submitter.client.get(f"/runs/{failed}").text
     resumed = submitter.post(f"/runs/{failed}/resume", headers={"HX-Request": "true"})
     assert 'data-status="QUEUED"' in resumed.text
     # A refused action (resuming a finished run) is said in the header, not swallowed.
-    done = insert_run(submitter.site.db, S.SUCCEEDED)
+    done = _owned(submitter.site, S.SUCCEEDED)
     refused = submitter.post(f"/runs/{done}/resume", headers={"HX-Request": "true"})
     assert refused.status_code == 200 and "cannot go from SUCCEEDED" in refused.text
     assert submitter.post(f"/runs/{done}/resume").status_code == 409
+
+
+def test_buttons_are_hidden_on_another_tokens_run_and_the_server_refuses_anyway(submitter: Browsing):
+    """Issue 17: a submitter reads every run but acts only on its own; an admin acts on any."""
+    others = _owned(submitter.site, S.RUNNING, scope="admin")
+    page = submitter.client.get(f"/runs/{others}").text
+    assert ">RUNNING<" in page and 'id="cancel-run"' not in page
+    refused = submitter.post(f"/runs/{others}/cancel", headers={"HX-Request": "true"})
+    assert refused.status_code == 200 and "submitted by another token" in refused.text
+    assert submitter.post(f"/runs/{others}/cancel").status_code == 403
+    failed = _owned(submitter.site, S.FAILED, scope="admin")
+    assert 'id="resume-run"' not in submitter.client.get(f"/runs/{failed}").text
+    assert submitter.post(f"/runs/{failed}/resume").status_code == 403
+    with submitter.site.db.read_session() as session:
+        assert (session.get(Run, others).status, session.get(Run, failed).status) == (S.RUNNING, S.FAILED)
 
 
 # --- runs list, explorer, compare, hosts ------------------------------------------------------------
@@ -477,10 +503,10 @@ def test_compare_overlays_one_metric_for_at_most_ten_runs(submitter: Browsing):
 
 def test_hosts_page_shows_liveness(submitter: Browsing):
     site = submitter.site
-    site.client().post("/api/v1/hosts", json={"name": "tpu-vm-0", "device_kind": "tpu", "device_count": 4},
+    site.client().post("/api/v1/hosts", json={"name": "browser-tpu-0", "device_kind": "tpu", "device_count": 4},
                        headers=site.bearer("worker"))
     html = submitter.client.get("/hosts").text
-    assert "tpu-vm-0" in html and ">ONLINE<" in html and "4 × tpu" in html
+    assert "browser-tpu-0" in html and ">ONLINE<" in html and "4 × tpu" in html
 
 
 def test_chart_metric_names_are_the_engines():

@@ -60,7 +60,8 @@ def test_two_host_co_run_through_celery_succeeds_with_every_metric(api: ApiClien
                                  "workload": "arith"})
     steps = 5
     spec = tiny_spec("e2e-co", hosts=2, steps=steps, placement={"mode": "co", "hosts": 2, "devices_per_host": 1,
-                                                               "decision_id": decision["id"]})
+                                                               "decision_id": decision["id"]},
+                     debug={"checksum_every": 1})  # the checksum below is reported only when asked
     run = api.submit(spec)
     final = wait_final(api, run["id"])
     assert final["status"] == "SUCCEEDED", final["status_reason"]
@@ -172,14 +173,41 @@ def test_two_runs_of_two_hosts_on_three_hosts_never_half_reserve(api: ApiClient)
     assert wait_final(api, second["id"])["status"] == "SUCCEEDED"
 
 
-def test_a_da_run_goes_to_its_driver_host_and_leaves_no_ray_behind(api: ApiClient):
-    spec = tiny_spec("e2e-da", hosts=2, steps=3)
-    spec["placement"] = {"mode": "da", "hosts": 2, "devices_per_host": 1, "rollout_fraction": 0.5}
+def _cores_of(pid: int) -> set[int]:
+    return set(os.sched_getaffinity(pid))
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_an_sc_run_uses_every_reserved_host_a_worker_each_beside_one_controller(api: ApiClient, hosts: int):
+    """SC as a real single controller: process 0 (the controller, whose child is the first host's worker)
+    and a worker on every other reserved host, each within its host worker's cores; every host's
+    worker reports its own figures, host 0 also the controller's record."""
+    steps = 3
+    spec = tiny_spec(f"e2e-sc{hosts}", hosts=hosts, steps=steps, placement={"mode": "sc", "hosts": hosts,
+                                                                          "devices_per_host": 1},
+                     debug={"checksum_every": 1})
+    spec["rollout"]["prompts_per_step"] = 2 * hosts  # whole groups on every host
     run = api.submit(spec)
+    cores = {h["name"]: set(h["info"]["cores"]) for h in api.request("GET", "/api/v1/hosts")["data"]}
+
+    def running_rows() -> list[dict] | None:
+        rows = api.list_run_hosts(run["id"])
+        return rows if len(rows) == hosts and all(r["pid"] and r["status"] == "RUNNING" for r in rows) else None
+
+    rows = wait_until(running_rows, 240, "every SC process to run")
+    pinned = {r["process_index"]: (_cores_of(r["pid"]), cores[r["host_name"]]) for r in rows if alive(r["pid"])}
+    assert pinned and all(mine <= allowed for mine, allowed in pinned.values()), pinned
     final = wait_final(api, run["id"])
     assert final["status"] == "SUCCEEDED", final["status_reason"]
     rows = api.list_run_hosts(run["id"])
-    assert [(r["process_index"], r["role"], r["status"]) for r in rows] == [(0, "controller", "EXITED")]
-    assert steps_of(api, run["id"], "da/staleness", -1) == [0, 1, 2]
-    assert wait_until(lambda: not session_processes("raylet"), 10, "Ray to shut down") is True
-
+    assert [(r["process_index"], r["role"], r["status"]) for r in rows] == (
+        [(0, "controller", "EXITED")] + [(i, "worker", "EXITED") for i in range(1, hosts)])
+    assert len({r["host_name"] for r in rows}) == hosts  # a process on every reserved host
+    assert steps_of(api, run["id"], "reward/mean", 0) == list(range(steps))
+    for host in range(hosts):
+        assert steps_of(api, run["id"], "sc/worker_sample", host) == list(range(steps)), host
+    # The workers are one jax.distributed job: identical weights on every host after the last step.
+    checksums = {tuple(api.metric_history(run["id"], ["params/checksum"], hosts=[w])["series"][0]["last"])
+                 for w in range(hosts)}
+    assert len(checksums) == 1
+    assert wait_until(lambda: not session_processes("locojax.cli sc-worker"), 10, "the SC workers to exit") is True

@@ -7,8 +7,10 @@ from typing import Annotated
 from fastapi import Query, Request
 from starlette.responses import Response
 
+from locojax.contract import REWARD_MEAN
 from server.api.deps import MAX_INT32, SessionDep, SettingsDep
-from server.models import AGGREGATE_HOST, Run
+from server.models import AGGREGATE_HOST
+from server.services import dashboard as dashboard_service
 from server.services import metrics as metric_service
 from server.services import runs as run_service
 from web.charts import Chart, chart_data
@@ -19,7 +21,7 @@ from web.templating import render
 router = dashboard_router()
 
 MAX_RUNS = 10
-DEFAULT_KEY = "reward/mean"
+DEFAULT_KEY = REWARD_MEAN
 
 
 @router.get("/compare")
@@ -33,7 +35,7 @@ def compare(request: Request, session: SessionDep, settings: SettingsDep, _: Vie
         wanted = wanted[:MAX_RUNS]
     runs = []
     for run_id in wanted:
-        found = session.get(Run, run_id)
+        found = dashboard_service.find_run(session, run_id)
         if found is None:
             notes.append(f"run {run_id} does not exist")
         else:

@@ -11,17 +11,17 @@ import anyio
 from fastapi import Depends, Header, Query, Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
-from sqlalchemy import select
 from starlette.responses import RedirectResponse, Response
 
 from server.api.deps import DbDep, RunId, SessionDep, SettingsDep
 from server.db import Database
-from server.errors import ApiError
-from server.models import Run, RunStatus
+from server.errors import ApiError, ForbiddenError
+from server.models import RunStatus
+from server.services import dashboard as dashboard_service
 from server.services import events as event_service
 from server.services import runs as run_service
 from web import run_page
-from web.auth import SubmitterDep, ViewerDep
+from web.auth import SubmitterDep, Viewer, ViewerDep
 from web.routing import dashboard_router
 from web.templating import is_htmx, render, templates
 
@@ -110,7 +110,7 @@ def _poll_events(db: Database, run_id: RunId, after: int, limit: int) -> tuple[R
     with db.read_session() as session:
         # Status before events: a transition commits its event with the new status, so whoever reads a
         # terminal status here finds every event of the run in the read that follows.
-        status = session.scalar(select(Run.status).where(Run.id == run_id))
+        status = dashboard_service.run_status(session, run_id)
         rows = event_service.list_after(session, run_id, after, limit)
         session.expunge_all()
         return status, rows
@@ -173,10 +173,16 @@ def _after_action(request: Request, session: SessionDep, run_id: RunId, error: A
                   header=run_page.header(run, run_page.latest(session, run_id)))
 
 
-def _run_action(request: Request, session: Any, run_id: int, action: Callable[..., Any], by: str) -> Response:
-    """Cancel or resume through the runs service; a refusal (e.g. 409) is shown in the header it re-renders."""
+def _run_action(request: Request, session: Any, run_id: int, action: Callable[..., Any], viewer: Viewer,
+                what: str) -> Response:
+    """Cancel or resume through the runs service; a refusal (403 for another token's run, 409) is shown in
+    the header it re-renders."""
     try:
-        action(session, run_id, by=by)
+        run = run_service.get(session, run_id)
+        if not viewer.may_act_on(run):
+            raise ForbiddenError(f"run {run_id} was submitted by another token; only it or an admin may {what} it",
+                                 code="RUN_NOT_OWNED", details={"run_id": run_id, "action": what})
+        action(session, run_id, by=viewer.name)
     except ApiError as exc:
         session.rollback()
         return _after_action(request, session, run_id, exc)
@@ -185,9 +191,9 @@ def _run_action(request: Request, session: Any, run_id: int, action: Callable[..
 
 @router.post("/runs/{run_id:int}/cancel")
 def cancel_run(request: Request, run_id: RunId, session: SessionDep, viewer: SubmitterDep) -> Response:
-    return _run_action(request, session, run_id, run_service.cancel, viewer.name)
+    return _run_action(request, session, run_id, run_service.cancel, viewer, "cancel")
 
 
 @router.post("/runs/{run_id:int}/resume")
 def resume_run(request: Request, run_id: RunId, session: SessionDep, viewer: SubmitterDep) -> Response:
-    return _run_action(request, session, run_id, run_service.resume, viewer.name)
+    return _run_action(request, session, run_id, run_service.resume, viewer, "resume")

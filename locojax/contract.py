@@ -1,0 +1,336 @@
+"""The light contract every part of LoCoJAX shares: engine, server, worker and web import it, and it
+imports nothing heavy (no JAX, no numpy; a test checks `import locojax.contract` leaves `jax` out of
+`sys.modules`).
+
+It holds
+  * the per-step metric names of DESIGN §6, each defined once with its meaning and how it aggregates
+    across hosts (the timers and reporters that produce them live in `locojax.metrics`);
+  * the run statuses of the control plane (DESIGN §7) and the engine's own end states;
+  * the exit codes of `locojax train` / `locojax host`;
+  * the run-directory layout (`spec.yaml`, `metrics.jsonl`, `hosts/host<i>.json`, `result.json`,
+    `checkpoints/`, SFT's `model/`) with its readers and writers;
+  * the message shapes the scheduler sends and the worker consumes.
+
+Records are flat: `{"step": 3, "host": 0, "time/step": 0.41, "reward/mean": 0.2, ...}`; `step` is
+the 0-based index of the step the values describe (after it, `TrainState.step == step + 1`), `host`
+the process index, or "all" for the aggregate over hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+# ================================================================================================
+# Metric names
+
+Aggregation = Literal["mean", "max", "sum", "min", "ratio"]
+Split = Literal["device", "network"]
+Host = int | str  # a process index, or ALL_HOSTS for the aggregate
+ALL_HOSTS = "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricInfo:
+    name: str
+    unit: str
+    across_hosts: Aggregation
+    description: str
+
+
+METRICS: dict[str, MetricInfo] = {}
+# A "ratio" metric's (numerator, denominator) metric names: across hosts it is sum(numerator) /
+# sum(denominator), so H hosts report exactly what one host would on the same items.
+RATIO_PARTS: dict[str, tuple[str, str]] = {}
+
+
+def _define(name: str, unit: str, across_hosts: Aggregation, description: str) -> str:
+    METRICS[name] = MetricInfo(name, unit, across_hosts, description)
+    return name
+
+
+# --- time: wall seconds per step. Phases may nest inside others; they are not a partition. -------
+# A synchronous step is as slow as its slowest host, hence max for time/step; phase times are means.
+TIME_STEP = _define("time/step", "s", "max", "wall time of the whole step on this host")
+TIME_ROLLOUT = _define("time/rollout", "s", "mean", "prompt sharding, prefill and decode, incl. detokenisation")
+TIME_REWARD = _define("time/reward", "s", "mean", "reward scoring on the host CPU")
+TIME_ADVANTAGE = _define("time/advantage", "s", "mean", "group-normalised advantages")
+TIME_TRAIN = _define("time/train", "s", "mean", "global batch assembly and the train step (incl. its all-reduce)")
+TIME_WEIGHT_SYNC = _define("time/weight_sync", "s", "mean", "DA: pushing new weights to rollout hosts")
+TIME_CHECKPOINT = _define("time/checkpoint", "s", "mean", "blocking part of a checkpoint save")
+# The paper's split; see `split_step_time` for the definition.
+TIME_DEVICE = _define("time/device", "s", "mean", "devices busy: device computations timed up to block_until_ready")
+TIME_NETWORK = _define("time/network", "s", "mean", "collectives and weight transfers timed on their own")
+TIME_HOST = _define("time/host", "s", "mean", "step minus device minus network: host orchestration while devices wait")
+
+# --- throughput: each host's tokens over the same synchronous step, so the global rate is the sum.
+THROUGHPUT_ROLLOUT_TOKENS = _define(
+    "throughput/rollout_tokens_per_s", "tokens/s", "sum", "generated completion tokens / time/rollout")
+THROUGHPUT_TRAIN_TOKENS = _define(
+    "throughput/train_tokens_per_s", "tokens/s", "sum", "prompt+completion tokens trained / time/train")
+
+# --- rewards: every host scores equally many samples, so the mean of host means is the global
+# mean; reward/std aggregated as a mean of host stds is an approximation (it omits the spread
+# between host means).
+REWARD_MEAN = _define("reward/mean", "", "mean", "mean total reward over the step's samples")
+REWARD_STD = _define("reward/std", "", "mean", "std of total reward over the step's samples (ddof=0)")
+REWARD_FRAC_ZERO_STD = _define(
+    "reward/frac_zero_std", "", "mean", "fraction of groups whose rewards are all equal (zero advantage)")
+REWARD_FN_MEAN_PATTERN = "reward/{fn}/mean"  # per reward function; aggregated as a mean
+
+
+def reward_fn_mean(fn: str) -> str:
+    """`reward/<fn>/mean`: the mean of one reward function's scores."""
+    return REWARD_FN_MEAN_PATTERN.format(fn=fn)
+
+
+# --- train step outputs: one SPMD step computes them over the global batch, so hosts agree.
+LOSS_POLICY = _define("loss/policy", "", "mean", "clipped surrogate loss under the chosen aggregation")
+LOSS_KL = _define("loss/kl", "", "mean", "k3 KL to the reference policy under the chosen aggregation (before kl_coef)")
+LOSS_TOTAL = _define("loss/total", "", "mean", "loss/policy + kl_coef * loss/kl")
+LOSS_SFT = _define("loss/sft", "nats", "mean", "teacher-forced cross-entropy per completion token")
+POLICY_ENTROPY = _define("policy/entropy", "nats", "mean", "token-mean entropy of the trained policy (at temperature)")
+POLICY_CLIP_FRAC = _define(
+    "policy/clip_frac", "", "mean", "fraction of completion tokens whose gradient the ratio clip zeroed")
+POLICY_GRAD_NORM = _define("policy/grad_norm", "", "mean", "global gradient norm before clipping")
+OPTIM_LR = _define("optim/lr", "", "mean", "learning rate of this step's update(s)")
+
+# --- completions
+COMPLETION_LEN_MEAN = _define("completion/len_mean", "tokens", "mean", "mean completion length incl. EOS")
+COMPLETION_LEN_MAX = _define("completion/len_max", "tokens", "max", "longest completion")
+COMPLETION_CLIPPED_FRAC = _define(
+    "completion/clipped_frac", "", "mean", "fraction of completions cut at max_new_tokens without EOS")
+
+# --- DA only
+SC_WORKER_SAMPLE = _define("sc/worker_sample", "s", "max",
+                           "SC: a worker's sampling of its host's prompts, as the worker measured it")
+SC_WORKER_TRAIN = _define("sc/worker_train", "s", "max",
+                          "SC: a worker's part of the train step (incl. its all-reduce), as it measured it")
+DA_STALENESS = _define("da/staleness", "steps", "max", "policy versions between sampling and training (<= 1)")
+DA_ROLLOUT_IDLE = _define("da/rollout_idle", "s", "mean", "rollout hosts waiting for new weights")
+DA_TRAIN_IDLE = _define("da/train_idle", "s", "mean", "train hosts waiting for a rollout batch")
+
+
+# --- held-out evaluation (locojax.evaluate). Hosts evaluate disjoint shards of the held-out prompts;
+# their counts are summed and the ratios recomputed from the sums, never averaged. Recorded in step
+# t's record they describe the policy step t started from (t updates applied); the evaluation after
+# the last step is a record of its own at step = steps.
+EVAL_PROMPTS = _define("eval/prompts", "prompts", "sum", "held-out prompts evaluated")
+EVAL_CORRECT = _define("eval/correct", "prompts", "sum", "held-out prompts the greedy completion answers right")
+EVAL_PASS_CORRECT = _define(
+    "eval/pass@k_correct", "prompts", "sum", "held-out prompts with a right answer among the k attempts")
+EVAL_ACCURACY = _define("eval/accuracy", "", "ratio", "eval/correct / eval/prompts: greedy accuracy")
+EVAL_PASS_AT_K = _define(
+    "eval/pass@k", "", "ratio", "eval/pass@k_correct / eval/prompts: right in at least one of k attempts "
+    "(the greedy completion and k-1 samples at eval.temperature)")
+EVAL_TIME = _define("time/eval", "s", "max", "wall time of one evaluation (outside time/step)")
+RATIO_PARTS[EVAL_ACCURACY] = (EVAL_CORRECT, EVAL_PROMPTS)
+RATIO_PARTS[EVAL_PASS_AT_K] = (EVAL_PASS_CORRECT, EVAL_PROMPTS)
+
+
+def across_hosts(name: str) -> Aggregation:
+    """How metric `name` aggregates across hosts; unknown names (e.g. reward/<fn>/mean) use the mean."""
+    info = METRICS.get(name)
+    return info.across_hosts if info else "mean"
+
+
+
+# Debug and control values that travel in a step's record (not DESIGN §6 metrics).
+CHECKSUM_KEY = "params/checksum"  # a host's parameter fingerprint, only when spec.debug asks for it
+CANCEL_KEY = "control/cancel"  # the cancel vote of one host; the loop pops it before logging
+DA_ROLLOUT_CHECKSUM = "da/rollout_checksum"  # the weights a DA batch was sampled with
+DA_ROLLOUT_VERSION = "da/rollout_version"
+
+
+# ================================================================================================
+# Run statuses and exit codes
+
+
+class RunStatus(str, enum.Enum):
+    """A run's state in the control plane (DESIGN §7); transitions live in server/services/runs.py."""
+
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    CANCELLING = "CANCELLING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+class HostProcessStatus(str, enum.Enum):
+    """One engine process of a run, as its worker reports it."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"  # exit code 0, or EXIT_CANCELLED after a cooperative cancel
+    FAILED = "FAILED"  # non-zero exit code or signal
+    KILLED = "KILLED"  # stopped on purpose (cancel, recovery of the group)
+    LOST = "LOST"  # its host stopped heartbeating
+
+
+class EngineStatus(str, enum.Enum):
+    """How an engine run ended (`result.json`'s status): every step done, or stopped at a step
+    boundary after a cooperative cancel. A failure raises instead and writes no result."""
+
+    SUCCEEDED = "succeeded"
+    CANCELLED = "cancelled"
+
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a host failed (e.g. a DA actor died); the message names it
+EXIT_CANCELLED = 3  # `locojax train`/`host` after a cooperative cancel
+
+
+# ================================================================================================
+# The run directory
+
+
+SPEC_FILE = "spec.yaml"
+METRICS_FILE = "metrics.jsonl"  # host 0 writes every host's records and the "all" aggregate
+RESULT_FILE = "result.json"
+HOSTS_DIR = "hosts"  # hosts/host<i>.json: where host i is (step, phase, pid)
+CHECKPOINTS_DIR = "checkpoints"  # Orbax, unless spec.checkpoint.dir names another place
+EXPORT_DIR = "model"  # an SFT run's Hugging Face export, what a GRPO spec's model.checkpoint names
+CONTROL_DIR = ".control"  # the workers' files: start specs, cancel flags, the run-id marker
+RUN_MARKER = "run-id"  # .control/run-id: which run owns this directory (a reused id or name must not share it)
+
+
+def write_run_marker(out: Path, run_id: int) -> None:
+    """Claim `out` for `run_id`. Every host process of a run may write it at once (they can share one
+    file system), and a host checks it before it writes anything, so the write is atomic: a reader sees
+    the old marker or the new one, never an empty file."""
+    control = out / CONTROL_DIR
+    control.mkdir(parents=True, exist_ok=True)
+    tmp = control / f"{RUN_MARKER}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    tmp.write_text(str(run_id), encoding="utf-8")
+    tmp.replace(control / RUN_MARKER)
+
+
+def read_run_marker(out: Path) -> str | None:
+    """The run id that claimed `out`, or None when no run has (OSError other than a missing file is
+    the caller's to report)."""
+    try:
+        return (out / CONTROL_DIR / RUN_MARKER).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+
+
+@dataclasses.dataclass
+class RunResult:
+    status: str  # an EngineStatus value
+    steps_done: int
+    last_checkpoint_step: int | None
+    final_metrics: dict[str, float]
+
+
+def write_result(out: Path, result: RunResult) -> None:
+    (out / RESULT_FILE).write_text(json.dumps(dataclasses.asdict(result), indent=2), encoding="utf-8")
+
+
+def read_result(out: Path) -> RunResult | None:
+    try:
+        return RunResult(**json.loads((out / RESULT_FILE).read_text(encoding="utf-8")))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def host_status_path(out: Path, host: int) -> Path:
+    return out / HOSTS_DIR / f"host{host}.json"
+
+
+class HostStatus:
+    """Where this host is (step, phase), in `<output_dir>/hosts/host<i>.json`, so that when a host
+    dies the launcher or worker can say in which phase it was lost."""
+
+    def __init__(self, out: Path, host: int):
+        self.host = host
+        self.path = host_status_path(out, host)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, step: int, phase: str) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"host": self.host, "step": step, "phase": phase, "pid": os.getpid()}))
+        tmp.replace(self.path)  # atomic: a reader never sees half a file
+
+
+def read_host_status(out: Path, host: int) -> dict | None:
+    try:
+        return json.loads(host_status_path(out, host).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def cancel_requested(cancel_file: str | Path | None) -> bool:
+    return cancel_file is not None and Path(cancel_file).exists()
+
+
+def _json_value(value: Any) -> Any:
+    value = float(value)
+    return value if math.isfinite(value) else None  # JSON has no NaN/inf
+
+
+class JsonlSink:
+    """One flat JSON object per line: {"step": 3, "host": 0, "time/step": ..., ...}; non-finite
+    values are written as null. The placement calibration and the worker's relay read this format."""
+
+    def __init__(self, path: str | Path, *, append: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a" if append else "w", encoding="utf-8")
+
+    def write(self, step: int, host: Host, metrics: Mapping[str, float]) -> None:
+        record = {"step": int(step), "host": host, **{k: _json_value(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()  # a killed run keeps every finished step
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ================================================================================================
+# Worker messages
+
+
+START_HOST_TASK = "locojax.start_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class StartHostMessage:
+    """One `start_host` task for one host's queue. The worker re-reads the run from the API (tasks take
+    ids); the message carries only what the scheduler decided."""
+
+    host_name: str
+    run_id: int
+    attempt: int
+    process_index: int
+    num_processes: int
+    role: str
+    resume: bool
+    output_dir: str
+    # The attempt's shared secret: what its processes authenticate each other with over the network
+    # (SC's controller link, DA's Ray token). New for every attempt; never shown by the API.
+    secret: str = ""
+
+    def task_kwargs(self) -> dict[str, Any]:
+        """The task's keyword arguments: everything but the queue it travels on."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if key != "host_name"}

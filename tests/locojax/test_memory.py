@@ -1,0 +1,249 @@
+"""The memory plan (no allocation), the refusal before allocation, chunked completion-only log-probs,
+remat, bfloat16, and FSDP x tensor training equal to pure data parallelism.
+
+The real Qwen3-0.6B run lives in bench/scale.py, not here."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from locojax.model import get_preset, param_count
+from locojax.modes import common
+from locojax.placement.memory import (
+    GiB,
+    MemoryPlanError,
+    MeshShape,
+    fit_plan,
+    plan_memory,
+)
+from locojax.spec import AlgoSpec, parse_spec
+from locojax.train import (
+    Optimizer,
+    chunked_logprobs_and_entropy,
+    completion_logprobs_and_entropy,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    split_params,
+)
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+ALGO = AlgoSpec(name="grpo", kl_coef=0.0)
+
+
+def _plan(name, **changes):
+    shape = dict(rows_per_host=16, prompt_len=128, new_len=32)
+    shape.update(changes)
+    return plan_memory(get_preset(name), **shape)
+
+
+def test_plan_terms_follow_the_parameter_count_for_0_6b_8b_32b():
+    for name in ("qwen3-0.6b", "qwen3-8b", "qwen3-32b"):
+        params = param_count(get_preset(name))
+        plan = _plan(name, kl_reference=True)
+        assert plan.persistent["params"] == params * 4
+        assert plan.persistent["optimizer"] == params * 8  # AdamW's two moments
+        assert plan.persistent["reference"] == params * 4
+        config = get_preset(name)
+        embedding = config.vocab_size * config.d_model * (1 if config.tie_embeddings else 2)
+        # Gradients, AdamW's update and the backward's buffers (factors measured on XLA's buffer assignment).
+        assert plan.train["gradients"] == pytest.approx((1.5 * embedding + 4.25 * (params - embedding)) * 4)
+        # bfloat16 halves every parameter-sized term; fsdp 4 quarters the sharded ones.
+        half = _plan(name, dtype="bfloat16")
+        assert half.persistent["params"] == params * 2
+        sharded = _plan(name, mesh=MeshShape(1, 4, 1))
+        assert sharded.persistent["params"] == params
+        assert sharded.persistent["rollout_params"] == params * 4  # rollout decodes from a whole copy
+    # 0.6B float32 at 16 rows under remat: params and moments (6.7 GiB), the step's gradient-sized
+    # buffers (7.8 GiB) and activations; without remat the activations alone are ~7 GiB more.
+    small = _plan("qwen3-0.6b", remat="full")
+    assert 14 * GiB < small.peak_bytes < 16 * GiB
+    assert _plan("qwen3-0.6b").peak_bytes > small.peak_bytes + 5 * GiB
+    # Remat keeps one activation per layer: far less than every layer's.
+    full = _plan("qwen3-0.6b", remat="full", rows_per_host=64)
+    none = _plan("qwen3-0.6b", remat="none", rows_per_host=64)
+    assert full.train["activations"] < none.train["activations"] / 5
+    # The KV cache: 2 x 4 bytes x 8 kv heads x 128 x 28 layers per token.
+    assert small.rollout["kv_cache"] == 16 * 160 * 2 * 4 * 8 * 128 * 28
+
+
+def test_fit_plan_needs_fsdp_for_8b_on_v5p_and_refuses_32b_naming_the_term():
+    v5p = 95 * GiB
+    plan = fit_plan(get_preset("qwen3-8b"), devices_per_host=4, capacity_bytes=v5p, capacity_name="HBM",
+                    dtypes=("float32",), rows_per_host=16, prompt_len=128, new_len=256)
+    assert plan.mesh.param_shards > 1 and plan.fits
+    with pytest.raises(MemoryPlanError, match=r"largest term being (params|optimizer|gradients|rollout_params)"):
+        fit_plan(get_preset("qwen3-32b"), devices_per_host=4, capacity_bytes=v5p, capacity_name="HBM",
+                 dtypes=("float32",), rows_per_host=64, prompt_len=128, new_len=256)
+
+
+def test_the_mesh_must_divide_the_host_naming_the_fields():
+    from locojax.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"placement.*fsdp x placement.tensor \(2 x 2\) must divide"):
+        parse_spec({"placement": {"devices_per_host": 2, "fsdp": 2, "tensor": 2}})
+    assert parse_spec({"placement": {"devices_per_host": 8, "fsdp": 2, "tensor": 2}}).placement.fsdp == 2
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_parameter_exists(tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(common, "load_policy", lambda spec: loaded.append(spec))
+    spec = parse_spec({"name": "big", "model": {"preset": "qwen3-32b"},
+                       "rollout": {"prompts_per_step": 4, "group_size": 4}})
+    with pytest.raises(MemoryPlanError) as refused:
+        common.prepare_trainer(spec, jax.devices()[:1], tmp_path, False)
+    message = str(refused.value)
+    assert "does not fit" in message and "largest term is" in message
+    assert "placement.fsdp" in message and "model.dtype: bfloat16" in message
+    assert loaded == []  # refused before the policy (or anything else) was built
+
+
+def _params(dtype="float32"):
+    from locojax.model import create_model
+
+    return split_params(create_model(get_preset("tiny").replace(param_dtype=dtype, dtype=dtype), seed=0))
+
+
+def _batch(rows=8, prompt=6, new=5, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, new + 1, (rows, 1))
+    return {"tokens": jnp.asarray(rng.integers(0, 380, (rows, prompt + new)), jnp.int32),
+            "prompt_mask": jnp.asarray(np.arange(prompt)[None] >= rng.integers(0, 3, (rows, 1))),
+            "completion_mask": jnp.asarray(np.arange(new)[None] < lengths),
+            "old_logprobs": jnp.asarray(-rng.random((rows, new)), jnp.float32),
+            "advantages": jnp.asarray(rng.standard_normal(rows), jnp.float32)}
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_run_that_cannot_fit_in_one_message_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    spec = tmp_path / "big.yaml"
+    spec.write_text("name: big\nmodel: {preset: qwen3-32b}\nrollout: {prompts_per_step: 4, group_size: 4}\n"
+                    f"output_dir: {tmp_path / 'out'}\n")
+    done = subprocess.run([sys.executable, "-m", "locojax.cli", "train", str(spec), "--quiet"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "big: refused: the run does not fit" in done.stderr
+    assert "memory plan per device" in done.stderr  # printed at start, then the refusal
+
+
+@pytest.mark.slow
+def test_chunked_completion_logprobs_equal_the_full_log_softmax_and_its_gradient():
+    from locojax.model import forward, positions_from_mask
+
+    graphdef, params = _params()
+    batch = _batch()
+    prompt_len = batch["prompt_mask"].shape[1]
+    mask = batch["completion_mask"]
+
+    def full(params):
+        kv = jnp.concatenate([batch["prompt_mask"], mask], axis=1)
+        logits, _ = forward(graphdef, params, batch["tokens"], positions_from_mask(kv), kv)
+        logp = jax.nn.log_softmax(logits[:, prompt_len - 1:-1] / 0.7, axis=-1)
+        token = jnp.take_along_axis(logp, batch["tokens"][:, prompt_len:, None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        return jnp.where(mask, token, 0.0), jnp.where(mask, entropy, 0.0)
+
+    def chunked(params):  # 384 columns in chunks of 100: the last chunk overlaps the third
+        return completion_logprobs_and_entropy(graphdef, params, batch["tokens"], batch["prompt_mask"], mask, 0.7,
+                                               vocab_chunk=100)
+
+    (want_logp, want_entropy), (got_logp, got_entropy) = jax.jit(full)(params), jax.jit(chunked)(params)
+    np.testing.assert_allclose(got_logp, want_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_entropy, want_entropy, rtol=1e-5, atol=1e-5)
+    want_grad = jax.jit(jax.grad(lambda p: jnp.sum(full(p)[0])))(params)
+    got_grad = jax.jit(jax.grad(lambda p: jnp.sum(chunked(p)[0])))(params)
+    for want, got in zip(jax.tree.leaves(want_grad), jax.tree.leaves(got_grad)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # grads reach ~1: float32 rounding
+    # One chunk (the whole vocabulary) is the same computation without the scan.
+    head = jax.random.normal(jax.random.PRNGKey(1), (384, 16))
+    hidden = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 16))
+    targets = jnp.asarray([[0, 383, 200], [5, 6, 7]])
+    one = chunked_logprobs_and_entropy(hidden, head, targets, 1.0, 4096)
+    many = chunked_logprobs_and_entropy(hidden, head, targets, 1.0, 64)
+    np.testing.assert_allclose(one[0], many[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(one[1], many[1], rtol=1e-6, atol=1e-6)
+
+
+def _sgd(lr=0.1):
+    # SGD: params_after - params_before = -lr * grad, so equal params mean equal gradients.
+    return Optimizer(tx=optax.sgd(lr), lr_schedule=lambda step: jnp.float32(lr))
+
+
+def _step_params(graphdef, params, batch, **kwargs):
+    step = make_train_step(graphdef, _sgd(), ALGO, compiler_options=FAST_COMPILE, **kwargs)
+    state, metrics = step(init_train_state(params, _sgd()), batch)
+    return jax.device_get(state.params), jax.device_get(metrics)
+
+
+@pytest.mark.slow
+def test_remat_gives_the_same_loss_and_update():
+    graphdef, params = _params()
+    batch = _batch()
+    plain, plain_metrics = _step_params(graphdef, jax.tree.map(jnp.copy, params), batch)
+    remat, remat_metrics = _step_params(graphdef, jax.tree.map(jnp.copy, params), batch, remat="full")
+    assert remat_metrics["loss/total"] == pytest.approx(float(plain_metrics["loss/total"]), rel=1e-6)
+    for want, got in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_bfloat16_parameters_train():
+    graphdef, params = _params("bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    optimizer = make_optimizer(parse_spec({}).optim, 10)
+    step = make_train_step(graphdef, optimizer, ALGO, compiler_options=FAST_COMPILE)
+    before = jax.device_get(params)
+    state, metrics = step(init_train_state(params, optimizer), _batch())
+    assert np.isfinite(float(metrics["loss/total"]))
+    after = jax.tree.leaves(jax.device_get(state.params))
+    assert {leaf.dtype for leaf in after} == {jnp.dtype(jnp.bfloat16)}
+    assert any(np.any(a != b) for a, b in zip(after, jax.tree.leaves(before)))
+
+
+def _trainer(tmp_path: pathlib.Path, fsdp: int, tensor: int):
+    spec = parse_spec({"name": f"mesh{fsdp}{tensor}", "model": {"preset": "tiny"}, "steps": 2,
+                       "rollout": {"prompts_per_step": 4, "group_size": 2, "max_prompt_tokens": 6, "max_new_tokens": 5},
+                       "placement": {"devices_per_host": 4, "fsdp": fsdp, "tensor": tensor},
+                       "algo": {"kl_coef": 0.0}})
+    return common.prepare_trainer(spec, jax.devices()[:4], tmp_path / f"ckpt{fsdp}{tensor}", False)
+
+
+@pytest.mark.slow
+def test_fsdp_2_x_tensor_2_trains_like_pure_data_parallelism(tmp_path):
+    """The spec's mesh reaches the trainer: params and AdamW moments sharded over fsdp and tensor, and
+    one step (the spec's AdamW, and SGD for a gradient-exact comparison) gives what 4-way data
+    parallelism gives."""
+    batch = {k: np.asarray(v) for k, v in _batch().items()}
+    data_parallel, sharded = _trainer(tmp_path, 1, 1), _trainer(tmp_path, 2, 2)
+    specs = {leaf.sharding.spec for leaf in jax.tree.leaves(sharded.state.params)}
+    assert any("fsdp" in str(spec) for spec in specs) and any("tensor" in str(spec) for spec in specs)
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(data_parallel.state.params))
+    moments = [leaf for leaf in jax.tree.leaves(sharded.state.opt_state) if leaf.ndim >= 2]
+    assert moments and all(not leaf.sharding.is_fully_replicated for leaf in moments)
+
+    results = []
+    for trainer in (data_parallel, sharded):
+        start = jax.device_get(trainer.state.params)
+        state, metrics = trainer.train_step(trainer.state, trainer.global_batch(batch))
+        sgd_step = make_train_step(trainer.policy.graphdef, _sgd(), ALGO, mesh=trainer.mesh,
+                                   compiler_options=FAST_COMPILE)
+        placed = jax.device_put(start, jax.tree.map(lambda x: x.sharding, state.params))
+        sgd_state = init_train_state(placed, _sgd())
+        sgd_state, _ = sgd_step(sgd_state, trainer.global_batch(batch))
+        results.append((jax.device_get(state.params), jax.device_get(metrics), jax.device_get(sgd_state.params)))
+    (adam_dp, metrics_dp, sgd_dp), (adam_fs, metrics_fs, sgd_fs) = results
+    for want, got in zip(jax.tree.leaves(sgd_dp), jax.tree.leaves(sgd_fs)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert metrics_fs["policy/grad_norm"] == pytest.approx(float(metrics_dp["policy/grad_norm"]), rel=1e-5)
+    # AdamW's first update is lr * g / (|g| + eps): gradients that are rounding noise (|g| ~ eps) can
+    # move by up to lr either way, so its parameters agree to a share of lr rather than to rounding.
+    lr = 3e-4 / 5  # OptimSpec's defaults: lr 3e-4 after 5 warmup steps, the first at a fifth
+    for want, got in zip(jax.tree.leaves(adam_dp), jax.tree.leaves(adam_fs)):
+        np.testing.assert_allclose(got, want, atol=0.5 * lr)

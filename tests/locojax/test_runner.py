@@ -1,0 +1,124 @@
+"""The one run loop (locojax.runner) with a mode whose step is plain arithmetic, and the on-device
+parameter checksum the modes report only when a spec asks for it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from locojax import metrics as m
+from locojax.contract import CHECKSUM_KEY, METRICS_FILE, RESULT_FILE, read_host_status
+from locojax.modes.common import params_checksum
+from locojax.runner import ModeSession, StepOutput, checksum_due, run
+from locojax.spec import parse_spec
+
+
+class CountingSession(ModeSession):
+    """A mode of its own: each step "trains" 10 tokens and reports its step number; it cancels itself
+    (through the cancel file) at `cancel_at`, and evaluates before step 0 and after the last step."""
+
+    def __init__(self, spec, *, resume=False, cancel_file=None, cancel_at=None, last_step_ignores_cancel=False):
+        self.spec, self.cancel_file, self.cancel_at = spec, cancel_file, cancel_at
+        self.last_step_ignores_cancel = last_step_ignores_cancel
+        self.saves: list[bool] = []
+        self.steps_logged_at_save: list[list[int]] = []
+        self.finished = self.closed = False
+
+    def step(self, step, timer, where):
+        with timer.phase(m.TIME_TRAIN):
+            where(step, "train")
+        if step == self.cancel_at:
+            self.cancel_file.touch()
+        return StepOutput({m.LOSS_POLICY: jnp.float32(step)}, train_tokens=10)
+
+    def checkpoint(self, force):
+        self.saves.append(force)
+        metrics = Path(self.spec.output_dir) / METRICS_FILE
+        rows = m.read_jsonl(metrics) if metrics.exists() else []
+        self.steps_logged_at_save.append(sorted({r["step"] for r in rows if r["host"] == m.ALL_HOSTS}))
+
+    def evaluate(self, step, where):
+        return {m.EVAL_PROMPTS: 4.0, m.EVAL_CORRECT: 1.0} if step == 0 else {}
+
+    def final_evaluation(self, where):
+        return {m.EVAL_PROMPTS: 4.0, m.EVAL_CORRECT: 3.0}
+
+    def finish(self, status, steps_done, where):
+        self.finished = True
+        return steps_done
+
+    def close(self):
+        self.closed = True
+
+
+def _run(tmp_path, steps, **session_options):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = parse_spec({"name": "counting", "steps": steps, "output_dir": str(tmp_path / "out")})
+    cancel_file = tmp_path / "cancel"
+    sessions = []
+
+    def setup(spec, *, resume):
+        sessions.append(CountingSession(spec, resume=resume, cancel_file=cancel_file, **session_options))
+        return sessions[0]
+
+    return run(spec, setup, console=False, cancel_file=cancel_file), sessions[0], tmp_path / "out"
+
+
+def test_the_loop_logs_each_step_evaluates_and_finishes(tmp_path):
+    result, session, out = _run(tmp_path, 3)
+    assert (result.status, result.steps_done, result.last_checkpoint_step) == ("succeeded", 3, 3)
+    assert session.saves == [False, False, True] and session.finished and session.closed
+    rows = [r for r in m.read_jsonl(out / METRICS_FILE) if r["host"] == m.ALL_HOSTS]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # the final evaluation is a record at step = steps
+    assert [r.get(m.LOSS_POLICY) for r in rows[:3]] == [0.0, 1.0, 2.0]
+    assert rows[0][m.EVAL_CORRECT] == 1.0 and m.EVAL_CORRECT not in rows[1] and rows[3][m.EVAL_CORRECT] == 3.0
+    for row in rows[:3]:
+        assert row[m.TIME_STEP] >= row[m.TIME_TRAIN] >= 0 and "control/cancel" not in row
+        assert row[m.THROUGHPUT_TRAIN_TOKENS] == (10 / row[m.TIME_TRAIN] if row[m.TIME_TRAIN] else 0.0)
+    assert json.loads((out / RESULT_FILE).read_text())["status"] == "succeeded"
+    assert read_host_status(out, 0)["phase"] == "metrics"
+
+
+def test_a_cancel_stops_after_that_step_with_a_checkpoint(tmp_path):
+    result, session, out = _run(tmp_path, 5, cancel_at=1)
+    assert (result.status, result.steps_done) == ("cancelled", 2)
+    # Step 0's state is saved when step 1 starts; the cancelled step's own save is the forced one.
+    assert session.saves == [False, True]
+    assert [r["step"] for r in m.read_jsonl(out / METRICS_FILE) if r["host"] == m.ALL_HOSTS] == [0, 1]
+
+
+def test_a_steps_state_is_saved_only_once_its_metrics_are_on_disk(tmp_path):
+    """Otherwise a host lost between the save and the metrics gather leaves a checkpointed step whose
+    metrics no one wrote, and the resumed run starts after it (a lost step)."""
+    _, session, _ = _run(tmp_path, 3)
+    assert session.steps_logged_at_save == [[0], [0, 1], [0, 1, 2]]
+
+
+def test_a_cancel_in_the_last_step_counts_unless_the_mode_finishes_anyway(tmp_path):
+    cancelled, _, _ = _run(tmp_path / "a", 2, cancel_at=1)
+    finished, _, _ = _run(tmp_path / "b", 2, cancel_at=1, last_step_ignores_cancel=True)  # SFT's rule
+    assert (cancelled.status, finished.status) == ("cancelled", "succeeded")
+
+
+def test_the_checksum_is_one_device_scalar_that_tells_params_apart():
+    params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "b": jnp.ones((4,), jnp.bfloat16)}
+    first = params_checksum(params)
+    assert isinstance(first, jax.Array) and first.shape == () and first.dtype == jnp.uint32
+    elsewhere = params_checksum(jax.device_put(params, jax.devices()[-1]))
+    assert float(first) == float(elsewhere)
+    swapped = {"w": params["w"][::-1], "b": params["b"]}  # the same values in another order
+    nudged = {"w": params["w"].at[0, 0].add(1e-6), "b": params["b"]}
+    assert len({float(first), float(params_checksum(swapped)), float(params_checksum(nudged))}) == 3
+    assert np.asarray(first).item() == float(first)  # a uint32 is exact as a float
+
+
+def test_the_checksum_is_due_only_when_the_spec_asks():
+    default = parse_spec({})
+    every_two = parse_spec({"debug": {"checksum_every": 2}})
+    assert not any(checksum_due(default, step) for step in range(5))
+    assert [checksum_due(every_two, step) for step in range(5)] == [True, False, True, False, True]
+    assert CHECKSUM_KEY == "params/checksum"

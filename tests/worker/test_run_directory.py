@@ -1,0 +1,63 @@
+"""The host's own check of a run directory before anything is written (issue 17): the start message is
+not trusted to name a safe one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from worker.supervisor import HostSupervisor, WorkerContext
+
+
+def _check(tmp_path: Path, output_dir: Path, run_id: int = 7, name: str = "mine") -> str | None:
+    context = WorkerContext(host_name="h0", api=None, runs_root=tmp_path / "runs")  # type: ignore[arg-type]
+    supervisor = HostSupervisor(context, run_id=run_id, attempt=0, process_index=0, num_processes=1, role="co",
+                                resume=False, output_dir=str(output_dir))
+    return supervisor.check_run_directory({"name": name})
+
+
+def test_only_the_runs_own_directory_under_runs_root_is_written(tmp_path: Path):
+    runs = tmp_path / "runs"
+    (runs / "3-other" / ".control").mkdir(parents=True)
+    (runs / "3-other" / ".control" / "run-id").write_text("3")
+    assert _check(tmp_path, runs / "7-mine") is None  # new directory
+    assert "is not" in _check(tmp_path, tmp_path / "elsewhere" / "7-mine")
+    assert "is not" in _check(tmp_path, runs)  # the root itself
+    assert "is not" in _check(tmp_path, runs / "3-other" / "7-mine")  # inside another run's directory
+    assert "is not" in _check(tmp_path, runs / "7-mine" / ".." / "3-other")
+    (runs / "7-mine").symlink_to(runs / "3-other")  # a link to another run's directory
+    assert "is not" in _check(tmp_path, runs / "7-mine")
+    (runs / "7-mine").unlink()
+    (runs / "7-mine" / ".control").mkdir(parents=True)
+    (runs / "7-mine" / ".control" / "run-id").write_text("3")  # left by another run (same id reused)
+    assert "belongs to run 3" in _check(tmp_path, runs / "7-mine")
+    (runs / "7-mine" / ".control" / "run-id").write_text("7")  # its own, from an earlier attempt
+    assert _check(tmp_path, runs / "7-mine") is None
+
+
+def test_the_run_marker_is_never_seen_half_written(tmp_path: Path):
+    """Every host process of a run writes `.control/run-id` at start while the others check it (they
+    share one file system here); a reader that caught the file truncated refused its own run's
+    directory and cost the run a restart."""
+    import threading
+
+    from locojax.contract import read_run_marker, write_run_marker
+
+    out = tmp_path / "runs" / "7-mine"
+    write_run_marker(out, 7)
+    seen: set[str | None] = set()
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            seen.add(read_run_marker(out))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(2000):
+            write_run_marker(out, 7)
+    finally:
+        done.set()
+        reader.join()
+    assert seen == {"7"}
+    assert sorted(p.name for p in (out / ".control").iterdir()) == ["run-id"]  # no temporary left behind
