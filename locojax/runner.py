@@ -93,7 +93,8 @@ class ModeSession:
         raise NotImplementedError
 
     def checkpoint(self, force: bool) -> None:
-        """Save when due (or when `force`); a mode whose train hosts save inside their step does nothing."""
+        """Save when due (or when `force`). The loop calls it only after the previous step's metrics are
+        logged, so a mode must never save inside its step. The default (a mode without state) does nothing."""
 
     def gather(self, record: Mapping[str, float]) -> list[dict[str, float]]:
         """Every host's record, on every host, in host order."""

@@ -184,8 +184,7 @@ class TrainHost:
 
         return int(jax.device_get(self.trainer.state.step))
 
-    def train(self, rows: dict[str, np.ndarray], sampled_version: int, final: bool,
-              checksum: bool = False) -> dict[str, float]:
+    def train(self, rows: dict[str, np.ndarray], sampled_version: int, checksum: bool = False) -> dict[str, float]:
         import jax
 
         from locojax.modes.common import params_checksum
@@ -199,14 +198,17 @@ class TrainHost:
         self.trainer.state, metrics = self.trainer.train_step(self.trainer.state, self.trainer.global_batch(rows))
         jax.block_until_ready(self.trainer.state)
         train_s = time.perf_counter() - start
-        checkpoint_start = time.perf_counter()
-        self.trainer.checkpoint(self.spec, force=final)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        out.update({m.TIME_TRAIN: train_s, m.TIME_CHECKPOINT: time.perf_counter() - checkpoint_start,
-                    STALENESS_KEY: float(staleness)})
+        out.update({m.TIME_TRAIN: train_s, STALENESS_KEY: float(staleness)})
         if checksum:
             out[CHECKSUM_KEY] = float(params_checksum(self.trainer.state.params))
         return out
+
+    def checkpoint(self, force: bool) -> None:
+        """Save when due (or when `force`). The driver asks only once the step's metrics are logged, as
+        the loop does for every mode: a save inside the train step would let a host lost before the
+        log resume past a step whose metrics never reached `metrics.jsonl`."""
+        self.trainer.checkpoint(self.spec, force=force)
 
     def close(self) -> int | None:
         self.trainer.checkpoints.close()
@@ -275,8 +277,8 @@ def _wait_each(ray, refs: list, names: list[str], phase: str):
 # versions) or takes from train host 0 (the params' checksum, which the rollout checksum is compared
 # with exactly): host 0's row carries them, no other host's row does, so the aggregate is that value.
 DRIVER_KEYS = frozenset({m.TIME_STEP, m.TIME_DEVICE, m.TIME_HOST, m.TIME_NETWORK, m.TIME_WEIGHT_SYNC,
-                         m.DA_TRAIN_IDLE, m.DA_ROLLOUT_IDLE, STALENESS_KEY, DA_ROLLOUT_CHECKSUM, DA_ROLLOUT_VERSION,
-                         CHECKSUM_KEY})
+                         m.TIME_CHECKPOINT, m.DA_TRAIN_IDLE, m.DA_ROLLOUT_IDLE, STALENESS_KEY, DA_ROLLOUT_CHECKSUM,
+                         DA_ROLLOUT_VERSION, CHECKSUM_KEY})
 
 
 def host_rows(rollout: Sequence[dict[str, float]], train: Sequence[dict[str, float]],
@@ -362,6 +364,12 @@ class DASession(ModeSession):
             self.close()
             raise
         self.previous_window = 0.0
+        self.checkpoint_s = 0.0  # the train group's save before the coming step (the loop's `checkpoint`)
+
+    def checkpoint(self, force: bool) -> None:
+        start = time.perf_counter()
+        _wait_each(self.ray, [t.checkpoint.remote(force) for t in self.train], self.train_names, "checkpoint")
+        self.checkpoint_s += time.perf_counter() - start
 
     def push_weights(self) -> float:
         ray, start = self.ray, time.perf_counter()
@@ -387,7 +395,7 @@ class DASession(ModeSession):
         final = step + 1 == spec.steps
         where(step, "train")
         train_refs = [t.train.remote({k: v[i * per_train:(i + 1) * per_train] for k, v in rows.items()},
-                                     pieces[0]["version"], final, checksum_due(spec, step))
+                                     pieces[0]["version"], checksum_due(spec, step))
                       for i, t in enumerate(self.train)]
         # Overlap: batch t+1 is sampled with θ_t while the train group turns batch t into θ_{t+1}.
         overlap_start = time.perf_counter()
@@ -396,10 +404,13 @@ class DASession(ModeSession):
         every_train = _wait_each(ray, train_refs, self.train_names, f"train step {step}")
         train_metrics = every_train[0]
         sync_s = self.push_weights() if self.next_batch else 0.0
-        step_s = time.perf_counter() - step_start + (self.initial_sync if step == self.start_step else 0.0)
+        # The save the loop asked for just before this step (the previous step's state) is part of it.
+        step_s = (time.perf_counter() - step_start + self.checkpoint_s
+                  + (self.initial_sync if step == self.start_step else 0.0))
         record = m.aggregate_hosts([p["metrics"] for p in pieces])
         record.update(train_metrics)
         record[m.TIME_WEIGHT_SYNC] = sync_s
+        record[m.TIME_CHECKPOINT], self.checkpoint_s = self.checkpoint_s, 0.0
         record[m.DA_TRAIN_IDLE] = train_idle
         record[m.DA_ROLLOUT_IDLE] = rollout_idle
         self.previous_window = time.perf_counter() - overlap_start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,8 +14,8 @@ import pytest
 
 from locojax import metrics as m
 from tests.conftest import session_processes
-from tests.locojax.test_co import (ROOT, assert_trees_close, checkpoint_params, engine_command, locojax, tiny_spec,
-                                   write_spec)
+from tests.locojax.test_co import (ROOT, TEST_REWARD_MODULES, assert_trees_close, checkpoint_params, engine_command,
+                                   locojax, tiny_spec, write_spec)
 
 # The in-process runs score the test rewards too.
 pytestmark = pytest.mark.usefixtures("test_rewards_allowed")
@@ -114,10 +115,10 @@ def test_sc_worker_failure_ends_the_run_naming_the_worker_and_phase(tmp_path):
 
 @pytest.mark.multiprocess
 def test_da_rollout_host_failure_ends_the_run_naming_host_and_phase(tmp_path):
-    spec = write_spec(tmp_path, tiny_spec(tmp_path, "da-fail", steps=200,
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, "da-fail", steps=200, checkpoint={"every": 1, "keep": 2},
                                           placement={"mode": "da", "hosts": 2, "rollout_fraction": 0.5}))
     process = _start(["train", str(spec), "--quiet"], tmp_path)
-    _wait_for_step(tmp_path / "da-fail" / "metrics.jsonl", 1, process)
+    _wait_for_step(tmp_path / "da-fail" / "metrics.jsonl", 2, process)
     victim = _processes("ray::RolloutHost")[0]
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
@@ -125,8 +126,66 @@ def test_da_rollout_host_failure_ends_the_run_naming_host_and_phase(tmp_path):
     assert time.monotonic() - killed_at < 30
     assert process.returncode != 0
     assert "rollout host 0" in stderr and ("rollout of step" in stderr or "weight load" in stderr)
+    # A step's state is saved only once its metrics are written: a resume from the latest checkpoint
+    # starts right after the last step in metrics.jsonl, so none is lost (a save inside the train step,
+    # before a failed weight push, left a checkpoint ahead of the log).
+    logged = {r["step"] for r in m.read_jsonl(tmp_path / "da-fail" / "metrics.jsonl") if r["host"] == m.ALL_HOSTS}
+    saved = [int(p.name) for p in (tmp_path / "da-fail" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved and max(saved) <= len(logged) == max(logged) + 1, (sorted(saved), sorted(logged))
     time.sleep(1)
     assert not _processes("raylet") and not _processes("gcs_server")
+
+
+SAVES_AT_EACH_LOG = """
+import json, sys
+from pathlib import Path
+
+from locojax.commands import _allow_rewards, configure_jax
+from locojax.modes import isolate_network, run_mode, spec_mode
+from locojax.spec import load_spec
+
+spec = load_spec(sys.argv[1])
+_allow_rewards(spec, sys.argv[2], sys.argv[1])
+isolate_network(spec, None)
+configure_jax(spec_mode(spec).local_devices(spec.placement))
+checkpoints, seen = Path(spec.output_dir) / "checkpoints", []
+
+
+class SavesAtEachLog:  # the checkpoints on disk when the loop logs a step's aggregate row
+    def write(self, step, host, metrics):
+        if host == "all":
+            # A save under way counts as begun: Orbax writes it to `<step>.orbax-checkpoint-tmp-*` first.
+            seen.append([step, sorted(int(p.name.split(".")[0]) for p in checkpoints.glob("[0-9]*"))])
+
+    def close(self):
+        pass
+
+
+run_mode(spec, console=False, extra_sinks=[SavesAtEachLog()])
+print("SAVES_AT_EACH_LOG", json.dumps(seen))
+"""
+
+
+@pytest.mark.multiprocess
+def test_da_saves_a_steps_state_only_once_its_metrics_are_logged(tmp_path):
+    """As the loop does for every mode: a DA train host that saved inside its train step let a node
+    lost at the weight push that follows leave a checkpoint ahead of metrics.jsonl, and the resumed
+    run skipped that step's metrics."""
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, "da-order", steps=5, checkpoint={"every": 1, "keep": 10},
+                                          placement={"mode": "da", "hosts": 2, "rollout_fraction": 0.5}))
+    program = tmp_path / "saves_at_each_log.py"
+    program.write_text(SAVES_AT_EACH_LOG)
+    done = subprocess.run([sys.executable, str(program), str(spec), TEST_REWARD_MODULES], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("SAVES_AT_EACH_LOG")]
+    seen = json.loads(line.split(" ", 1)[1])
+    assert [step for step, _ in seen] == [0, 1, 2, 3, 4]
+    for step, saved in seen:
+        # The state after `step` steps is checkpoint `step`: logging step s, the latest save is s.
+        assert max(saved, default=0) <= step, (step, saved)
+    assert sorted(int(p.name) for p in (tmp_path / "da-order" / "checkpoints").iterdir() if p.name.isdigit()) \
+        == [1, 2, 3, 4, 5]
 
 
 def _params_after(run_dir: Path, step: int):
