@@ -106,11 +106,13 @@ COMPLETION_LEN_MAX = _define("completion/len_max", "tokens", "max", "longest com
 COMPLETION_CLIPPED_FRAC = _define(
     "completion/clipped_frac", "", "mean", "fraction of completions cut at max_new_tokens without EOS")
 
-# --- DA only
+# --- SC only
 SC_WORKER_SAMPLE = _define("sc/worker_sample", "s", "max",
                            "SC: a worker's sampling of its host's prompts, as the worker measured it")
 SC_WORKER_TRAIN = _define("sc/worker_train", "s", "max",
                           "SC: a worker's part of the train step (incl. its all-reduce), as it measured it")
+
+# --- DA only
 DA_STALENESS = _define("da/staleness", "steps", "max", "policy versions between sampling and training (<= 1)")
 DA_ROLLOUT_IDLE = _define("da/rollout_idle", "s", "mean", "rollout hosts waiting for new weights")
 DA_TRAIN_IDLE = _define("da/train_idle", "s", "mean", "train hosts waiting for a rollout batch")

@@ -14,14 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from locojax.client import ApiClient
 from locojax.launch import free_port
 from server.embedded import ControlPlane, start
-from server.settings import Settings
 from tests.conftest import session_processes
 from tests.e2e.helpers import alive, host_pids, last_step, steps_of, tiny_spec, wait_final, wait_until
+from tests.worker.planes import emptied_redis, plane_settings, stop_leaving_nothing
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.postgres, pytest.mark.redis]
 
@@ -30,22 +29,11 @@ REDIS_URL = "redis://127.0.0.1:6379/7"  # a database of its own, emptied before 
 
 @pytest.fixture(scope="module")
 def plane(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    try:
-        redis.Redis.from_url(REDIS_URL).flushdb()
-    except redis.ConnectionError as exc:
-        pytest.skip(f"Redis not reachable: {exc}")
-    tmp = tmp_path_factory.mktemp("plane")
-    settings = Settings(
-        home=tmp / "home", database_url=postgres_url, broker_url=REDIS_URL, migrate_on_start=False,
-        runs_root=tmp / "runs", data_roots=[tmp], scheduler_interval_s=0.3, host_stale_s=4.0, host_lost_s=10.0,
-        start_timeout_s=120.0, kill_timeout_s=20.0, log_level="warning",
-        reward_modules=["tests.locojax.rewards_for_tests"],
-    )
+    settings = plane_settings(tmp_path_factory.mktemp("plane"), postgres_url, emptied_redis(REDIS_URL),
+                              reward_modules=["tests.locojax.rewards_for_tests"])
     control_plane = start(settings, hosts=3, port=free_port())
     yield control_plane
-    control_plane.stop()
-    alive = [name for name, process in control_plane.processes.items() if process.poll() is None]
-    assert alive == []
+    stop_leaving_nothing(control_plane)
 
 
 @pytest.fixture

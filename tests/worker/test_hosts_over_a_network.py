@@ -16,10 +16,10 @@ import pytest
 from locojax.client import ApiClient
 from locojax.launch import free_port
 from server.embedded import ControlPlane, start
-from server.settings import Settings
 from tests.conftest import session_processes
 from tests.e2e import netns
 from tests.e2e.helpers import steps_of, tiny_spec, wait_final, wait_until
+from tests.worker.planes import plane_settings, stop_leaving_nothing
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.postgres]
 
@@ -42,17 +42,12 @@ def hosts() -> Iterator[netns.NamespacedHosts]:
 def plane(postgres_url: str, hosts: netns.NamespacedHosts, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[ControlPlane]:
     tmp = tmp_path_factory.mktemp("netplane")
-    settings = Settings(
-        home=tmp / "home", database_url=postgres_url, broker_url=f"sqla+sqlite:///{tmp / 'broker.sqlite'}",
-        migrate_on_start=False, runs_root=tmp / "runs", data_roots=[tmp], scheduler_interval_s=0.3,
-        host_stale_s=4.0, host_lost_s=10.0, start_timeout_s=120.0, kill_timeout_s=20.0, log_level="warning",
-    )
+    settings = plane_settings(tmp, postgres_url, f"sqla+sqlite:///{tmp / 'broker.sqlite'}")
     control_plane = start(settings, hosts=HOSTS, port=free_port(), api_host=hosts.machine_address,
                           worker_prefixes=[hosts.prefix(i) for i in range(HOSTS)],
                           worker_addresses=[hosts.address(i) for i in range(HOSTS)])
     yield control_plane
-    control_plane.stop()
-    assert [name for name, process in control_plane.processes.items() if process.poll() is None] == []
+    stop_leaving_nothing(control_plane)
 
 
 def _namespace_of(pid: int) -> str:
