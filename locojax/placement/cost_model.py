@@ -250,7 +250,7 @@ def train_state_bytes_per_chip(model: ModelSize, chips: int) -> float:
 
 
 def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile, chips: int,
-                  colocated_train_chips: int | None, busy_chips: int) -> RolloutShape:
+                  colocated_train_chips: int | None, busy_chips: int, busy_hosts: int = 1) -> RolloutShape:
     """Lay the rollout out on `chips`; `colocated_train_chips` is set when training state shares them."""
     bytes_per_value = hardware.bytes_per_value
     weight_bytes = model.params * bytes_per_value
@@ -280,8 +280,9 @@ def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     memory_s = step_bytes / (tensor_parallel * bandwidth)
     # Rates measured on the engine's own kernels already include their memory traffic.
     memory_bound = memory_s >= compute_s and not hardware.rates_include_memory
-    step_s = ((memory_s if memory_bound else compute_s) + batch * hardware.decode_row_overhead_s
-              + hardware.decode_step_overhead_s)
+    step_s = ((memory_s if memory_bound else compute_s)
+              + (batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s)
+              * cpu_sharing(hardware, busy_hosts))
     return RolloutShape(tensor_parallel, replicas, batch, waves, step_s, memory_bound)
 
 
@@ -345,8 +346,9 @@ def _dispatch_host_terms(mode: Mode, dispatches: float, hosts: int) -> dict[str,
 
 def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile, mode: Mode,
                   chips: int, hosts: int, colocated_train_chips: int | None,
-                  busy_chips: int) -> tuple[Terms, RolloutShape]:
-    shape = rollout_shape(model, hardware, workload, chips, colocated_train_chips, busy_chips)
+                  busy_chips: int, busy_hosts: int = 1) -> tuple[Terms, RolloutShape]:
+    """`busy_hosts`: host processes working at once on the machine (on a shared one they share its cores)."""
+    shape = rollout_shape(model, hardware, workload, chips, colocated_train_chips, busy_chips, busy_hosts)
     flops, bandwidth = chip_rates(hardware, busy_chips)
     weight_bytes = model.params * hardware.bytes_per_value
     tp = shape.tensor_parallel
@@ -357,7 +359,8 @@ def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     if not hardware.rates_include_memory:
         prefill_compute_s = max(prefill_compute_s, weight_bytes / (tp * bandwidth))
     # Prefill also samples the first token; decode then runs gen_len - 1 steps for the rest.
-    prefill_s = prefill_compute_s + batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s
+    prefill_s = prefill_compute_s + ((batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s)
+                                     * cpu_sharing(hardware, busy_hosts))
     device_s = hardware.device_time_scale * shape.waves * (prefill_s + (workload.gen_len - 1) * shape.decode_step_s)
 
     tokens_per_dispatch = hardware.decode_tokens_per_dispatch or workload.gen_len
@@ -375,7 +378,7 @@ def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: Workloa
 
 
 def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadProfile, mode: Mode,
-                chips: int, hosts: int, busy_chips: int) -> Terms:
+                chips: int, hosts: int, busy_chips: int, busy_hosts: int = 1) -> Terms:
     if train_state_bytes_per_chip(model, chips) > hardware.hbm_bytes * HBM_USABLE_FRACTION:
         raise InfeasiblePlacement(f"{model.name}: training state does not fit {chips} chip(s)")
     flops, _ = chip_rates(hardware, busy_chips)
@@ -384,8 +387,8 @@ def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadP
     device_s = hardware.device_time_scale * (
         (param_flops + attention_flops / hardware.train_attention_efficiency)
         / (chips * flops * effective_mfu(model, hardware))
-        + scored_per_chip * hardware.train_scored_token_overhead_s
-        + hardware.train_step_overhead_s)
+        + (scored_per_chip * hardware.train_scored_token_overhead_s + hardware.train_step_overhead_s)
+        * cpu_sharing(hardware, busy_hosts))
     return Terms(device_s, _dispatch_host_terms(mode, TRAIN_DISPATCHES, hosts))
 
 
@@ -516,7 +519,7 @@ def _estimate_colocated(model: ModelSize, hardware: HardwareProfile, workload: W
     mode, chips, hosts = placement.mode, placement.chips, placement.hosts
     single_controller = MODE_COSTS.get(mode).single_controller
     rollout, shape = rollout_terms(model, hardware, workload, mode, chips, hosts, colocated_train_chips=chips,
-                                   busy_chips=chips)
+                                   busy_chips=chips, busy_hosts=hosts)
     if single_controller:  # every sample is scored on the controller after the gather
         reward = reward_terms(workload, workload.samples)
     else:
@@ -526,7 +529,7 @@ def _estimate_colocated(model: ModelSize, hardware: HardwareProfile, workload: W
     phases: dict[str, Terms] = {
         "rollout": rollout,
         "reward": reward,
-        "train": train_terms(model, hardware, workload, mode, chips, hosts, busy_chips=chips),
+        "train": train_terms(model, hardware, workload, mode, chips, hosts, busy_chips=chips, busy_hosts=hosts),
         "allreduce": all_reduce_terms(hardware, hardware.bytes_per_value * model.params, chips,
                                       placement.chips_per_host),
     }
@@ -546,10 +549,12 @@ def _estimate_da(model: ModelSize, hardware: HardwareProfile, workload: Workload
     rollout_chips, train_chips = rollout_hosts * cph, train_hosts * cph
     # Both groups run at once, so on a shared machine they split it between all the chips.
     rollout, shape = rollout_terms(model, hardware, workload, "da", rollout_chips, rollout_hosts,
-                                   colocated_train_chips=None, busy_chips=placement.chips)
+                                   colocated_train_chips=None, busy_chips=placement.chips,
+                                   busy_hosts=placement.hosts)
     # The rollout hosts score while the train hosts train: every host is busy.
     reward = reward_terms(workload, workload.samples / rollout_hosts * cpu_sharing(hardware, placement.hosts))
-    train = train_terms(model, hardware, workload, "da", train_chips, train_hosts, busy_chips=placement.chips)
+    train = train_terms(model, hardware, workload, "da", train_chips, train_hosts, busy_chips=placement.chips,
+                        busy_hosts=placement.hosts)
     allreduce = all_reduce_terms(hardware, hardware.bytes_per_value * model.params, train_chips, cph)
     # The finished batch moves from the rollout hosts to the train hosts (each receives its share).
     handoff_bytes = workload.samples * workload.seq_len * ROLLOUT_BYTES_PER_TOKEN / train_hosts

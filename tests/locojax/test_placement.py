@@ -439,3 +439,28 @@ def test_hosts_beyond_a_shared_machines_cores_share_them_for_their_cpu_work():
     assert reward_s("co", 4, cores=2) == pytest.approx(reward_s("co", 2, cores=2))
     assert reward_s("co", 4, cores=4) == pytest.approx(reward_s("co", 2, cores=4) / 2)
     assert reward_s("sc", 4, cores=2) == pytest.approx(reward_s("sc", 4, cores=4))
+
+
+def test_a_host_processs_fixed_device_costs_are_cpu_work_shared_beyond_the_cores():
+    """The probe measures each dispatch's fixed costs (per decode step and row, per train step and
+    scored token) in one process with its own cores. 4 host processes on 2 cores pay them at half a
+    core each; the FLOPs were already split among the busy chips, so only the fixed part changes."""
+    from locojax.placement.hardware import get_hardware
+    from locojax.placement.workloads import get_workload
+
+    model = ModelSize.from_config(PRESETS["tiny"])
+    workload = get_workload("arith")
+    hardware = get_hardware("local-cpu").replace(decode_tokens_per_dispatch=None)
+
+    def phase_s(phase: str, hosts: int, cores: int | None) -> float:
+        placed = Placement("co", hosts, 1)
+        return estimate_step(model, hardware.replace(machine_cores=cores), workload, placed).breakdown[phase]
+
+    rates = hardware.rates_for(model.d_model)
+    train_fixed = rates.device_time_scale * (workload.samples * workload.gen_len / 4 * rates.train_scored_token_overhead_s
+                                             + rates.train_step_overhead_s)
+    assert train_fixed > 0
+    assert phase_s("train", 4, cores=2) - phase_s("train", 4, cores=4) == pytest.approx(train_fixed)
+    assert phase_s("rollout", 4, cores=2) > phase_s("rollout", 4, cores=4) == pytest.approx(phase_s("rollout", 4, None))
+    # Within the cores nothing is shared: 2 hosts on 2 cores cost what they cost on 4.
+    assert phase_s("train", 2, cores=2) == pytest.approx(phase_s("train", 2, cores=4))
