@@ -141,17 +141,26 @@ def test_a_da_run_uses_every_host_it_reserved_through_one_ray_cluster(plane, api
     directory = Path(plane.settings.runs_root) / f"{run['id']}-{spec['name']}"
     secret_file = directory / ".control" / "secret-attempt0-host0"
 
+    # The attempt's secret is read as soon as its worker writes it, before the engine starts: the worker
+    # removes the file when the attempt ends, and on a fast machine a four-step run ends within a second
+    # of its actors coming up.
+    def the_secret() -> bytes | None:
+        try:
+            return secret_file.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    secret = wait_until(the_secret, 240, "the attempt's secret file")
+
     # While it runs: every reserved host has its engine process and its actor, on that worker's cores.
-    # The attempt's secret is read here, while the run is surely alive: its worker removes the file when
-    # the attempt ends, and a four-step run can end before the checks below are through.
     def running():
         rows = api.list_run_hosts(run["id"])
         actors = _actors()
         placed = len(rows) == hosts and all(r["pid"] for r in rows)
         alive = placed and len(actors["TrainHost"]) + len(actors["RolloutHost"]) == hosts
-        return alive and (rows, actors, secret_file.read_bytes())
+        return alive and (rows, actors)
 
-    rows, actors, secret = wait_until(running, 240, "every reserved host's process and actor")
+    rows, actors = wait_until(running, 240, "every reserved host's process and actor")
     rows.sort(key=lambda r: r["process_index"])
     assert [r["role"] for r in rows] == ["controller"] + groups[1:]
     assert len({r["host_name"] for r in rows}) == hosts  # one process on each reserved worker
