@@ -13,9 +13,12 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /srv/locojax
 
+# A C compiler builds locojax/_bind_shim.c, which binds a DA run's Ray to its host's address.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first (exact pins), so code changes do not reinstall them.
 COPY pyproject.toml constraints.txt README.md ./
-COPY locojax/__init__.py locojax/__init__.py
+COPY locojax/__init__.py locojax/_bind_shim.c locojax/
 COPY server/__init__.py server/__init__.py
 COPY worker/__init__.py worker/__init__.py
 COPY web/__init__.py web/__init__.py

@@ -11,7 +11,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Reinstall only when the dependency declarations change.
-$(STAMP): $(PY) pyproject.toml constraints.txt
+$(STAMP): $(PY) pyproject.toml constraints.txt locojax/_bind_shim.c
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 

@@ -115,9 +115,10 @@ def train(
         return
     from locojax.modes import isolate_network, run_mode
 
-    # A DA driver whose reserved hosts join its Ray head listens on its host's network, not a private one.
+    # A DA driver whose reserved hosts join its Ray head listens on its host's network, not a private
+    # one, bound to the address it listens at.
     head = listen if mode.uses_ray and not ray_address else None
-    isolate_network(spec, ray_address or head)
+    isolate_network(spec, ray_address, head)
     configure_jax(mode.local_devices(placement))
     from locojax.modes.da import DAError
     from locojax.modes.sc import SCError
@@ -165,9 +166,11 @@ def host(
     if num_processes > 1:
         if not coordinator:
             typer.secho("--coordinator is required with --num-processes > 1", fg="red", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(EXIT_SPEC_ERROR)
+        # Process 0 runs the coordination service; JAX would listen for it on every interface.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id)
+                                   process_id=process_id,
+                                   coordinator_bind_address=coordinator if process_id == 0 else None)
     from locojax.modes import run_mode
 
     kwargs = {"resume": resume, "console": not quiet and process_id == 0}
@@ -199,16 +202,18 @@ def ray_node(
         typer.secho(f"{spec_path}: a Ray node is one of a Ray mode's (DA's) reserved hosts "
                     f"1..{spec.placement.hosts - 1}, not mode {spec.placement.mode!r} process {process_id}",
                     fg="red", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
     if ray_address:
         typer.echo(f"host {process_id}: the run's actors live on the operator's Ray cluster; nothing to run here")
         return
     if secret_file is None:
         typer.secho("--secret-file is required: the run's Ray cluster refuses anyone without its token", fg="red",
                     err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
+    from locojax.bind_address import reexecute_bound_to
     from locojax.modes.da_cluster import serve_node
 
+    reexecute_bound_to(node_address)  # this node's Ray listens at its host's address only
     code = serve_node(spec, head, node_address, process_id, secret_file)
     if code:
         raise typer.Exit(code)

@@ -1,21 +1,22 @@
 """A process's own network namespace, holding only a loopback interface, for a run's private Ray.
 
 Ray 2.60's GCS, raylet and worker gRPC servers listen on every interface of the network they start
-in (only a loopback node address keeps them on loopback), and no setting of that release binds them
-to one routable address (upstream changed it after 2.60). A DA run that starts its own Ray on one
-machine therefore runs in a fresh network namespace: `unshare --net --map-root-user` (a user
-namespace, so it works without root where the kernel allows unprivileged user namespaces)
-re-executes the same command in the same process, so the worker's PID, stdout pipe, parent-death
-signal and files stay as they were. Inside, only `lo` exists, so every Ray port
-is reachable from this run's processes and from nothing else on the machine or the network; Ray's
-per-run token stays on as a second guard.
+in (only a loopback node address keeps them on loopback; locojax.modes.da keeps it), and no setting
+of that release binds them to one routable address (locojax.bind_address does it for a run that
+spans hosts). A DA run that starts its own Ray on one machine also runs in a fresh network
+namespace: `unshare --net --map-root-user` (a user namespace, so it works without root where the
+kernel allows unprivileged user namespaces) re-executes the same command in the same process, so
+the worker's PID, stdout pipe, parent-death signal and files stay as they were. Inside, only `lo`
+exists, so every Ray port is reachable from this run's processes and from nothing else on the
+machine or the network; Ray's per-run token stays on as a second guard.
 
 A DA run under the control plane spans the hosts it reserved, so its Ray must be on their network:
-it stays in the host's namespace, guarded by the attempt's secret as Ray's token
-(locojax.modes.da_cluster).
+it stays in the host's namespace, its listeners bound to its host's address (locojax.bind_address)
+and guarded by the attempt's secret as Ray's token (locojax.modes.da_cluster).
 
 Where the kernel refuses the namespace (unprivileged user namespaces disabled), the run goes on in
-the host's network and says so on stderr: its Ray ports are then guarded by the token alone.
+the host's network and says so on stderr: its Ray ports are then on 127.0.0.1 only (open to the
+machine's other local users), guarded by the token.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def reexecute_inside(argv: Sequence[str] | None = None) -> None:
         return
     reason = available()
     if reason is not None:
-        print(f"warning: no private network for this run's Ray ({reason}); its ports listen on every "
-              "interface, guarded by its per-run token only", file=sys.stderr, flush=True)
+        print(f"warning: no private network for this run's Ray ({reason}); its ports listen on this "
+              "machine's loopback, guarded by its per-run token only", file=sys.stderr, flush=True)
         return
     # orig_argv keeps `-m locojax.cli`, which sys.argv has already turned into a file path
     command = list(argv) if argv is not None else [sys.executable, *sys.orig_argv[1:]]

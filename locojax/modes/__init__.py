@@ -110,11 +110,20 @@ def run_mode(spec: "RunSpec", **options) -> "RunResult":
     return run(spec, spec_mode(spec).session_class(), **options)
 
 
-def isolate_network(spec: "RunSpec", ray_address: str | None) -> None:
-    """A run of a Ray mode that starts its own Ray re-executes itself in a private network namespace
-    first, since Ray 2.60 listens on every interface (locojax.private_network); an operator's Ray
-    (`ray_address`) is theirs to secure."""
-    if spec_mode(spec).uses_ray and not ray_address:
+def isolate_network(spec: "RunSpec", ray_address: str | None, head: str | None = None) -> None:
+    """A run of a Ray mode that starts its own Ray re-executes itself first, since Ray 2.60 listens on
+    every interface: a private Ray in a private network namespace (locojax.private_network); a DA
+    driver whose reserved hosts join its head (`head`, its `--listen` ADDR:PORT) on the host's
+    network, with every listener bound to the head's address (locojax.bind_address). An operator's
+    Ray (`ray_address`) is theirs to secure."""
+    if not spec_mode(spec).uses_ray or ray_address:
+        return
+    if head:
+        from locojax.bind_address import reexecute_bound_to
+        from locojax.modes.da_cluster import split_address
+
+        reexecute_bound_to(split_address(head)[0])
+    else:
         from locojax.private_network import reexecute_inside
 
         reexecute_inside()

@@ -222,9 +222,14 @@ def split_hosts(spec: RunSpec) -> tuple[int, int]:
 
 def _private_ray_auth() -> None:
     """Token auth for a private Ray: one random token per engine process, set before `import ray`
-    (Ray reads its auth mode when it is imported), inherited by the Ray processes this one starts."""
+    (Ray reads its auth mode when it is imported), inherited by the Ray processes this one starts.
+    Also keeps the private Ray's node address 127.0.0.1 as `_start_ray` gives it: Ray otherwise
+    rewrites a loopback node address into the machine's outward one (and then listens on every
+    interface); on loopback its GCS, raylet and workers listen on 127.0.0.1 only, also where the
+    private network namespace could not be made."""
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def _start_ray(total_cpus: int, ray_address: str | None):

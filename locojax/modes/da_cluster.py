@@ -16,8 +16,11 @@ CPUs as its worker's cores: the node, its raylet and the actors' worker processe
 worker's pinning.
 
 Every Ray process binds to its host's address (Ray's node IP, the worker's `--address`). Ray 2.60
-still opens its gRPC servers on every interface of that host (see locojax.private_network), so the
-cluster is guarded by Ray's token auth, under the attempt's shared secret: it reaches every process
+opens its gRPC servers on every interface of a host with a routable node address and has no setting
+against it, so `locojax train --listen` and `locojax ray-node` re-execute themselves with
+locojax.bind_address's shim preloaded: every wildcard listener of the driver, the node processes and
+all Ray starts (GCS, raylets, agents, workers) is bound to that address instead. The cluster is also
+guarded by Ray's token auth, under the attempt's shared secret: it reaches every process
 as a 0600 file (`--secret-file`), which Ray reads through `RAY_AUTH_TOKEN_PATH`; the token itself is
 never in an environment, a command line or a log, and nothing is written to the home directory.
 

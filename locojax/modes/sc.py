@@ -429,8 +429,11 @@ def serve_worker(spec: RunSpec, controller: str, secret: bytes, process_index: i
         hello = link.receive(connection, CONNECT_TIMEOUT_S, "the controller's hello")
         workers = int(hello["workers"])
         if workers > 1:
+            # Rank 0 runs the coordination service: at the address it publishes, not on every interface.
             jax.distributed.initialize(coordinator_address=hello["coordinator"], num_processes=workers,
-                                       process_id=int(hello["rank"]))
+                                       process_id=int(hello["rank"]),
+                                       coordinator_bind_address=hello["coordinator"] if int(hello["rank"]) == 0
+                                       else None)
         worker = SCWorker(spec, int(hello["rank"]), workers, resume)
         try:
             worker.serve(connection)

@@ -55,6 +55,12 @@ class NamespacedHosts:
     def address(self, host: int) -> str:
         return f"10.{self.net}.0.{10 + host}"
 
+    def host_of(self, pid: int) -> int:
+        """The host whose namespace process `pid` runs in."""
+        inode = os.stat(f"/proc/{pid}/ns/net").st_ino
+        return next(host for host, namespace in enumerate(self.namespaces)
+                    if os.stat(f"/run/netns/{namespace}").st_ino == inode)
+
     def prefix(self, host: int) -> list[str]:
         """The command prefix that runs a process inside host `host`'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[host]]
@@ -95,3 +101,28 @@ class NamespacedHosts:
             shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
         _ip("link", "del", self.bridge, check=False)
         self.namespaces = []
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (IPv4-mapped IPv6 as IPv4)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order 32-bit words
+            if width == 32 and words[:12] == b"\0" * 10 + b"\xff\xff":
+                words = words[12:]
+            found.add((".".join(map(str, words)) if len(words) == 4 else words.hex(), int(port, 16)))
+    return found

@@ -27,6 +27,7 @@ from server.embedded import _spawn as spawn
 from tests.conftest import session_processes
 from tests.e2e.faults import messages as every_message
 from tests.e2e.helpers import alive, host_pids, last_step, steps_of, tiny_spec, wait_final, wait_until
+from tests.e2e import netns
 from tests.worker import netns_hosts
 from tests.worker.planes import emptied_redis, plane_settings, stop_leaving_nothing
 
@@ -84,31 +85,6 @@ def _still_there(check, pids: list[int]) -> None:
             check(pid)
         except (FileNotFoundError, ProcessLookupError):
             continue
-
-
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket process `pid` listens on (IPv4-mapped IPv6 as IPv4)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            address, port = fields[1].split(":")
-            raw = bytes.fromhex(address)
-            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order 32-bit words
-            if width == 32 and words[:12] == b"\0" * 10 + b"\xff\xff":
-                words = words[12:]
-            found.add((".".join(map(str, words)) if len(words) == 4 else words.hex(), int(port, 16)))
-    return found
 
 
 def _param_bytes(spec: dict) -> int:
@@ -179,11 +155,11 @@ def test_a_da_run_uses_every_host_it_reserved_through_one_ray_cluster(plane, api
 
     _still_there(on_its_hosts_cores, ray_pids)
     # These workers' address is 127.0.0.1, and on a loopback node address Ray 2.60 listens on loopback
-    # only: nothing of the run is reachable from off the machine (on a routable address it listens on
-    # every interface, test_a_da_run_on_hosts_with_networks_of_their_own...). Its token is the attempt's
+    # only: nothing of the run is reachable from off the machine (on a routable address the bind shim
+    # keeps it to that address, test_a_da_run_on_hosts_with_networks_of_their_own...). Its token is the attempt's
     # secret, read from the file its worker wrote, so it is in no process's environment or command line.
     def binds_its_workers_address(pid: int) -> None:
-        addresses = {address for address, _ in _listening(pid)}
+        addresses = {address for address, _ in netns.listening(pid)}
         assert addresses <= {"127.0.0.1"}, (pid, addresses)
 
     _still_there(binds_its_workers_address, ray_pids)
@@ -337,10 +313,10 @@ def test_a_da_run_on_hosts_with_networks_of_their_own_talks_over_their_interface
         assert where == {"TrainHost": [0, 1], "RolloutHost": [2]}
 
         def in_its_hosts_network(pid: int) -> None:  # every Ray process in its own host's namespace,
-            host = _engine_of(pid, engines)  # listening on that host's address (or on all of that namespace's)
+            host = _engine_of(pid, engines)  # listening on that host's address only (locojax.bind_address)
             assert os.readlink(f"/proc/{pid}/ns/net") == hosts.namespace_id(host), (pid, host)
-            addresses = {address for address, _ in _listening(pid)}
-            assert addresses <= {hosts.address(host), "0.0.0.0", "0" * 32}, (pid, host, addresses)
+            addresses = {address for address, _ in netns.listening(pid)}
+            assert addresses <= {hosts.address(host)}, (pid, host, addresses)
 
         _still_there(in_its_hosts_network, _ray_processes())
         final = wait_final(api, run["id"])

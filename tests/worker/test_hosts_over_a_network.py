@@ -77,6 +77,12 @@ def test_a_run_across_three_namespaced_hosts_crosses_the_network(plane: ControlP
         # (gloo's all-reduce; SC's controller link) can only go over the veth pairs and the bridge.
         spaces = {_namespace_of(r["pid"]) for r in rows}
         assert len(spaces) == HOSTS and _namespace_of(os.getpid()) not in spaces
+        # What the engines listen on (process 0's JAX coordinator, SC's controller link, gloo's pairs) is
+        # at their host's own address, never on every interface (nor on a loopback other hosts can't use).
+        for row in rows:
+            host = hosts.host_of(row["pid"])
+            listening = {address for address, _ in netns.listening(row["pid"])}
+            assert listening <= {hosts.address(host)}, (row["host_name"], listening)
         final = wait_final(api, run["id"])
         assert final["status"] == "SUCCEEDED", final["status_reason"]
         for host in range(HOSTS):
