@@ -16,8 +16,9 @@ Workloads:
                    reward would cost nothing): many samples, real host CPU per sample
     rollout_heavy  GSM8K-style prompts with long generations: decode dominates the step
 
-For each (workload, hosts, mode): median step time over the steady-state steps (all but the two
-compiling steps and the last one, which saves the final checkpoint), the median of that over
+For each (workload, hosts, mode): median step time over the steady-state steps (all but the first
+WARMUP_STEPS, which compile and warm the reward's caches up, and the last one, which saves the final
+checkpoint), the median of that over
 `--rounds` runs with the run-to-run spread, and the device/host/network split, plus the ratios co_vs_sc
 (SC step / CO step) and da_vs_co (CO step / DA step; > 1 means DA is faster) per host count.
 Writes bench/results/coordination.json; the last line printed is `co_vs_sc_host_heavy_max_hosts=<x>`.
@@ -64,6 +65,13 @@ MODES = {mode: {"mode": mode, "hosts": 2, "devices_per_host": 1, **({"rollout_fr
 SPLIT_KEYS = ("time/step", "time/device", "time/host", "time/network", "time/rollout", "time/reward",
               "time/train", "time/weight_sync", "completion/len_mean")
 SFT_STEPS = 300
+# Steps left out at the front of every run's medians. Steps 0-1 compile. The steps after them still
+# warm up: the `math` reward (math-verify: LaTeX -> sympy) fills each process's parser and sympy caches
+# on its first few hundred answers, so a host that scores 64 samples a step (4 hosts) pays that cost
+# over more steps than one that scores 256 (1 host): in one 12-step run here, 4-host CO's reward time
+# (summed over hosts) on steps 2-5 was 1.8-5x that of its later steps. A run of thousands of steps
+# never sees it, so the benchmark measures after it.
+WARMUP_STEPS = 4
 
 
 def placement(mode: str, hosts: int) -> dict | None:
@@ -154,9 +162,9 @@ def run_mode(workdir: Path, workload: str, mode: str, steps: int, prepared: dict
     start = time.perf_counter()
     _train(spec, workdir)
     rows = [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
-    # Steps 0-1 compile; the last step also saves the run's final checkpoint (0.5-0.8 s here), which
-    # is not a steady-state step either.
-    steady = [r for r in rows if r["host"] == "all" and 2 <= r["step"] < steps - 1]
+    # Steps before WARMUP_STEPS compile or warm the reward up; the last step also saves the run's final
+    # checkpoint (0.5-0.8 s here), which is not a steady-state step either.
+    steady = [r for r in rows if r["host"] == "all" and WARMUP_STEPS <= r["step"] < steps - 1]
     summary = {key: statistics.median(r.get(key, 0.0) for r in steady) for key in SPLIT_KEYS}
     summary["median_step_s"] = summary["time/step"]
     summary["steps_measured"] = len(steady)
@@ -174,7 +182,8 @@ def spread(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12,
+                        help=f"steps per run; medians over steps {WARMUP_STEPS} .. steps-2 (default 12)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs of every (workload, hosts, mode), in alternating mode order; medians over rounds")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
@@ -183,7 +192,8 @@ def main() -> None:
     args = parser.parse_args()
     # Measured, not assumed: the cores this process (and the runs it starts) may use, and the machine's.
     machine = {"cores": len(os.sched_getaffinity(0)), "cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
-    results: dict = {"machine": machine, "steps": args.steps, "rounds": args.rounds, "host_counts": args.hosts,
+    results: dict = {"machine": machine, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
+                     "measured_steps": [WARMUP_STEPS, args.steps - 2], "rounds": args.rounds, "host_counts": args.hosts,
                      "sft_steps": SFT_STEPS, "workloads": {}}
     runs: dict[tuple[str, int, str], list[dict]] = {}
     loads = []

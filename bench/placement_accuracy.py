@@ -73,7 +73,8 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "placement_accuracy.json"
 TARGET_REL_ERROR = 0.25
 PRESETS = ("tiny",)  # the model bench/coordination.py trains
-SKIP_STEPS = 2  # bench/coordination.py: steps 0-1 compile and are not in its medians
+# bench/coordination.py's steady state: steps before it compile or warm the reward up.
+from bench.coordination import WARMUP_STEPS as SKIP_STEPS  # noqa: E402
 SPLIT = ("device", "host", "network")
 
 
@@ -309,9 +310,8 @@ def out_of_sample(runs: list[dict[str, Any]], base) -> dict[str, Any] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="times every (workload, mode) run is measured")
-    # 10 steps: medians over steps 2-8 (0-1 compile, the last saves the final checkpoint). With 6 (what
-    # bench/coordination.py runs) a median rests on 3 steps, and step 2 is often still warming up.
-    parser.add_argument("--steps", type=int, default=10, help="steps per run (default 10)")
+    # As bench/coordination.py: medians over steps SKIP_STEPS .. steps-2.
+    parser.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")
     parser.add_argument("--workloads", nargs="*", default=["host_heavy", "rollout_heavy"])
     parser.add_argument("--input", type=Path, default=None,
                         help="score this coordination.json instead of running the workloads here")

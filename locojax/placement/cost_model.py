@@ -595,6 +595,11 @@ class ModeCost:
     estimate: Callable[[ModelSize, HardwareProfile, WorkloadProfile, Placement], StepEstimate]
     single_controller: bool = False  # one process dispatches every computation and scores every sample
     rollout_groups: bool = False  # hosts split into rollout and train groups (needs rollout_fraction)
+    # Whether the engine's measured device/host/network split means what this entry's split means.
+    # Not for DA: the engine times its overlapped branches from the driver (the train host's step as
+    # device, the weight push as network), where the model puts the rollout branch's scoring in host
+    # time and the push calls in host time too; calibration then compares DA's step time only.
+    split_comparable: bool = True
 
     def label(self, rollout_fraction: float | None, digits: int = 0, suffix: str = "") -> str:
         """How a recommendation names a placement's mode: "CO", or "DA 75%" + suffix with its split."""
@@ -606,7 +611,7 @@ class ModeCost:
 MODE_COSTS: Registry[ModeCost] = Registry("placement mode")
 MODE_COSTS.register("sc")(ModeCost("sc", _estimate_colocated, single_controller=True))
 MODE_COSTS.register("co")(ModeCost("co", _estimate_colocated))
-MODE_COSTS.register("da")(ModeCost("da", _estimate_da, rollout_groups=True))
+MODE_COSTS.register("da")(ModeCost("da", _estimate_da, rollout_groups=True, split_comparable=False))
 
 
 def _finish(placement: Placement, hardware: HardwareProfile, critical: Terms, breakdown: dict[str, float],

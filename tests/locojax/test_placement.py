@@ -295,6 +295,21 @@ def test_calibration_recovers_known_constants():
         assert result.constants[name] == pytest.approx(truth[name], rel=0.05), name
     assert result.after.step < 1e-3 < result.before.step
     assert result.after.host < 1e-3 and result.after.network < 1e-3
+    assert result.constants["device_time_scale"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_calibration_recovers_how_much_slower_the_devices_ran():
+    """Runs measured while the machine ran 30% slower than its probe: the fit finds the factor and the
+    host and network constants alike (on the shared local machine all three parts slow down)."""
+    slower = TRUTH.replace(device_time_scale=1.3)
+    result = calibrate(HARDWARE.get("local-cpu"), _synthetic_observations(slower))
+    assert result.constants["device_time_scale"] == pytest.approx(1.3, rel=0.02)
+    truth = constant_values(TRUTH)
+    for name in FITTED:
+        assert result.constants[name] == pytest.approx(truth[name], rel=0.1), name
+    assert result.after.step < 2e-3 < result.before.step
+    without = calibrate(HARDWARE.get("local-cpu"), _synthetic_observations(slower), fit_device_scale=False)
+    assert "device_time_scale" not in without.constants and without.after.step > 0.05
 
 
 def _write_run(directory, spec, estimate, steps=5):
