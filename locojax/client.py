@@ -8,8 +8,9 @@
 
 The server URL and token come from `--url`/`--token` or `LOCOJAX_URL`/`LOCOJAX_TOKEN` (read by typer,
 not by this module). Imports only httpx, typer and locojax.spec: the engine never depends on the server.
-Exit codes: 0 success, 1 the API refused (its error code and message go to stderr), 2 bad local input,
-3 the server could not be reached.
+Exit codes (locojax.contract): 0 success (EXIT_OK), 1 the API refused, its error code and message go to
+stderr, or a waited-for run did not succeed (EXIT_FAILED), 2 bad local input (EXIT_SPEC_ERROR), 4 the
+server could not be reached (EXIT_UNREACHABLE; 3 is a cancelled engine run's).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from locojax.contract import TERMINAL_STATES, RunStatus
+from locojax.contract import EXIT_FAILED, EXIT_SPEC_ERROR, EXIT_UNREACHABLE, TERMINAL_STATES, RunStatus
 from locojax.spec import SpecError, load_spec
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -201,7 +202,7 @@ runs_app = typer.Typer(help="List, inspect, cancel and resume runs on the contro
 def _client(url: str, token: str | None) -> ApiClient:
     if not token:
         typer.echo("no token: pass --token or set LOCOJAX_TOKEN (locojax token create --scope submit)", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
     return ApiClient(url, token)
 
 
@@ -214,10 +215,10 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
             for item in exc.details:
                 if isinstance(item, dict) and item.get("field") is not None:
                     typer.echo(f"  {item['field'] or '<body>'}: {item.get('message')}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_FAILED) from None
     except httpx.TransportError as exc:
         typer.echo(f"cannot reach the control plane: {exc}", err=True)
-        raise typer.Exit(3) from None
+        raise typer.Exit(EXIT_UNREACHABLE) from None
 
 
 def _print_run_line(run: dict[str, Any]) -> None:
@@ -246,7 +247,7 @@ def submit(
         spec = load_spec(spec_path)
     except SpecError as exc:
         typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
     with _client(url, token) as client:
         run = _call(client.submit, spec.model_dump(mode="json"), idempotency_key=idempotency_key)
         _print(run, as_json)
@@ -255,7 +256,7 @@ def submit(
             run = _call(client.get_run, run["id"])
             _print(run, as_json)
             if run["status"] != RunStatus.SUCCEEDED:
-                raise typer.Exit(1)
+                raise typer.Exit(EXIT_FAILED)
 
 
 @runs_app.command("ls")
@@ -384,7 +385,7 @@ def _follow(client: ApiClient, run_id: int) -> None:
             time.sleep(min(2.0 ** failures, 10.0))
         except ApiClientError as exc:
             typer.echo(f"error {exc.status} {exc.code}: {exc.message}", err=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(EXIT_FAILED) from None
 
 
 def register(app: typer.Typer) -> None:

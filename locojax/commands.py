@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from locojax.spec import EvalSpec, RunSpec, SpecError, load_spec, parse_spec
 
-from locojax.contract import CHECKPOINTS_DIR, EXIT_CANCELLED, EXIT_FAILED, EngineStatus
+from locojax.contract import CHECKPOINTS_DIR, EXIT_CANCELLED, EXIT_FAILED, EXIT_SPEC_ERROR, EngineStatus
 from locojax.modes import spec_mode
 
 SpecArg = typer.Argument(..., exists=False, help="run spec (YAML); see examples/")
@@ -26,12 +26,12 @@ def _load(path: Path) -> RunSpec:
         return load_spec(path)
     except SpecError as exc:
         typer.secho(str(exc), fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
 
 
 def _check_data(spec: RunSpec, source: Path) -> None:
     """Read the spec's data files now, so a missing or malformed one is one line naming the field
-    (`task.path`, `eval.path`) and exit 2, like any spec error, not a traceback from deep in a run."""
+    (`task.path`, `eval.path`) and EXIT_SPEC_ERROR, like any spec error, not a traceback from deep in a run."""
     if not spec.task.path and not (spec.eval and spec.eval.path):
         return  # generated tasks have no file to get wrong
     from locojax.tasks import load_task_data
@@ -40,7 +40,7 @@ def _check_data(spec: RunSpec, source: Path) -> None:
         load_task_data(spec.task, spec.eval, str(source))
     except SpecError as exc:
         typer.secho(str(exc), fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
 
 
 RewardModulesOpt = typer.Option(
@@ -63,7 +63,7 @@ def _allow_rewards(spec: RunSpec, reward_modules: str, where: str, eval_spec: Ev
     if refused:
         lines = "; ".join(f"{field}: {message}" for field, message in refused)
         typer.secho(f"{where}: refused: {lines}", fg="red", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
 
 
 def configure_jax(devices_per_host: int) -> None:
@@ -79,7 +79,7 @@ def _with(spec: RunSpec, **overrides) -> RunSpec:
         return parse_spec({**spec.model_dump(mode="json"), **overrides}, "spec with command-line overrides")
     except SpecError as exc:
         typer.secho(str(exc), fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
 
 
 def train(
@@ -89,7 +89,7 @@ def train(
     output_dir: Optional[Path] = typer.Option(None, help="override spec.output_dir (default runs/<name>)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists "
-                                                           "(exit code 3)"),
+                                                           f"(exit code {EXIT_CANCELLED})"),
     reward_modules: str = RewardModulesOpt,
     ray_address: Optional[str] = typer.Option(None, "--ray-address",
                                               help="DA: the operator's Ray cluster; default: a private one here"),
@@ -134,7 +134,7 @@ def train(
         raise typer.Exit(EXIT_FAILED) from None
     except MemoryPlanError as exc:  # refused before allocating: a spec that asks too much, like a bad field
         typer.secho(f"{spec.name}: refused: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
     typer.echo(f"{spec.name}: {result.status} after {result.steps_done} steps")
     if result.status == EngineStatus.CANCELLED:
         raise typer.Exit(EXIT_CANCELLED)
@@ -155,10 +155,11 @@ def host(
     (`kind: sft`) runs here too, as the single host of its job."""
     spec = _load(spec_path)
     _allow_rewards(spec, reward_modules, str(spec_path))
-    if spec.kind == "sft" and num_processes > 1:
-        typer.secho(f"{spec_path}: placement.hosts must be 1 for an SFT run (kind 'sft' is single-host), "
+    mode = spec_mode(spec)
+    if not mode.multi_process and num_processes > 1:
+        typer.secho(f"{spec_path}: placement.hosts must be 1 for a run in mode {mode.name!r} (one process), "
                     f"but this host was started as one of --num-processes {num_processes}", fg="red", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
     _check_data(spec, spec_path)
     configure_jax(devices_per_host)
     import jax
@@ -258,12 +259,14 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     # Every host watches the same file; CO hosts agree on it in their per-step gather.
     extra += ["--cancel-file", str(cancel_file)] if cancel_file is not None else []
     try:
-        launch(handle.name, hosts, devices_per_host, extra, status_dir=output_dir(spec))
+        codes = launch(handle.name, hosts, devices_per_host, extra, status_dir=output_dir(spec))
     except LaunchError as exc:
         typer.secho(str(exc), fg="red", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_FAILED) from None
     finally:
         Path(handle.name).unlink(missing_ok=True)
+    if EXIT_CANCELLED in codes:  # the hosts stopped at a step boundary on the cancel file
+        raise typer.Exit(EXIT_CANCELLED)
 
 
 def launch_command(
@@ -310,7 +313,7 @@ def sft(
     _check_data(spec, spec_path)
     configure_jax(spec.placement.devices_per_host)
     from locojax import metrics as m
-    from locojax.sft import export_dir, run_sft
+    from locojax.modes.sft import export_dir, run_sft
 
     result = run_sft(spec, resume=resume, console=not quiet)
     loss = result.final_metrics.get(m.LOSS_SFT, float("nan"))
@@ -335,18 +338,18 @@ def eval_command(
     except ValidationError as exc:
         errors = [(".".join(["eval", *map(str, err["loc"])]), err["msg"]) for err in exc.errors()]
         typer.secho(str(SpecError(errors, "command-line overrides")), fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
     _allow_rewards(spec, reward_modules, str(spec_path), eval_spec)
     if not checkpoint.is_dir():
         typer.secho(f"--checkpoint: {checkpoint} is not a directory", fg="red", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
     from locojax.tasks import load_task_data
 
     try:
         data = load_task_data(spec.task, eval_spec, str(spec_path))
     except SpecError as exc:
         typer.secho(str(exc), fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
     configure_jax(spec.placement.devices_per_host)
     import jax
 
@@ -365,7 +368,7 @@ def eval_command(
             policy.params = load_params(orbax, policy.params)
         except FileNotFoundError as exc:
             typer.secho(f"--checkpoint: {exc}", fg="red", err=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(EXIT_SPEC_ERROR) from None
     evaluator = Evaluator(spec, eval_spec, policy, data.held_out, eval_rewards(eval_spec, data.train), 0,
                           jax.local_devices())
     result = evaluator.timed(policy.params)

@@ -33,6 +33,14 @@ Aggregation = Literal["mean", "max", "sum", "min", "ratio"]
 Split = Literal["device", "network"]
 Host = int | str  # a process index, or ALL_HOSTS for the aggregate
 ALL_HOSTS = "all"
+# The control plane stores the aggregate's rows under this host index (0..N-1 are process indices):
+# an int keeps its primary key narrow and typed the same on every database backend.
+AGGREGATE_HOST_INDEX = -1
+
+
+def host_index(host: Host) -> int:
+    """A record's `host` as the control plane stores it: the process index, or AGGREGATE_HOST_INDEX."""
+    return AGGREGATE_HOST_INDEX if host == ALL_HOSTS else int(host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +202,9 @@ class EngineStatus(str, enum.Enum):
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a host failed (e.g. a DA actor died); the message names it
+EXIT_SPEC_ERROR = 2  # refused before anything ran: a bad spec, option or input; the message says why
 EXIT_CANCELLED = 3  # `locojax train`/`host` after a cooperative cancel
+EXIT_UNREACHABLE = 4  # the client (`locojax submit`, `status`, ...) could not reach the server
 
 
 # ================================================================================================
@@ -203,12 +213,21 @@ EXIT_CANCELLED = 3  # `locojax train`/`host` after a cooperative cancel
 
 SPEC_FILE = "spec.yaml"
 METRICS_FILE = "metrics.jsonl"  # host 0 writes every host's records and the "all" aggregate
+# The process that writes METRICS_FILE, in every mode and role (CO, an SC controller, a DA driver, SFT):
+# its host alone relays the run's metrics (and checkpoints), and the control plane takes metrics from no other.
+METRICS_PROCESS_INDEX = 0
 RESULT_FILE = "result.json"
 HOSTS_DIR = "hosts"  # hosts/host<i>.json: where host i is (step, phase, pid)
 CHECKPOINTS_DIR = "checkpoints"  # Orbax, unless spec.checkpoint.dir names another place
 EXPORT_DIR = "model"  # an SFT run's Hugging Face export, what a GRPO spec's model.checkpoint names
 CONTROL_DIR = ".control"  # the workers' files: start specs, cancel flags, the run-id marker
 RUN_MARKER = "run-id"  # .control/run-id: which run owns this directory (a reused id or name must not share it)
+
+
+def run_dir_name(run_id: int, name: str) -> str:
+    """The directory a control-plane run writes to under the runs root: `<id>-<name>` (one per run
+    id, since two runs may share a name)."""
+    return f"{run_id}-{name}"
 
 
 def write_run_marker(out: Path, run_id: int) -> None:

@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from locojax import metrics as m
+from locojax.contract import METRICS_FILE
 from locojax.spec import RunSpec
 
 DEMO_TASK = {"name": "arith", "difficulty": 0}
@@ -58,7 +59,7 @@ def demo_specs(out: Path, grpo_steps: int = GRPO_STEPS, seed: int = 0,
         "steps": sft_steps, "output_dir": str(out / "sft"),
         "checkpoint": {"every": 100, "keep": 1},
     })
-    from locojax.sft import export_dir
+    from locojax.modes.sft import export_dir
 
     grpo = RunSpec.model_validate({
         "name": "demo-grpo", "kind": "grpo", "seed": seed,
@@ -131,21 +132,20 @@ def eval_series(records: Sequence[dict]) -> tuple[list[int], list[float], list[f
 
 def run_demo(out: Path, console: bool = True, sft_steps: int = SFT_STEPS, grpo_steps: int = GRPO_STEPS,
              seed: int = 0) -> str:
-    from locojax.modes.co import run_co
-    from locojax.sft import run_sft
+    from locojax.modes import run_mode
 
     out = Path(out)
     sft_spec, grpo_spec = demo_specs(out, grpo_steps, seed, sft_steps)
     for spec in (sft_spec, grpo_spec):  # a fresh demo: no metrics or checkpoints of an earlier one
         shutil.rmtree(spec.output_dir, ignore_errors=True)
     start = time.perf_counter()
-    sft = run_sft(sft_spec, console=console)
+    sft = run_mode(sft_spec, console=console)
     sft_s = time.perf_counter() - start
-    grpo = run_co(grpo_spec, console=console)
+    grpo = run_mode(grpo_spec, console=console)
     total_s = time.perf_counter() - start
-    records = m.read_jsonl(Path(grpo_spec.output_dir) / "metrics.jsonl")
+    records = m.read_jsonl(Path(grpo_spec.output_dir) / METRICS_FILE)
     rewards = [r[m.REWARD_MEAN] for r in records if r.get("host") == m.ALL_HOSTS and m.REWARD_MEAN in r]
-    summary = reward_summary(rewards, out / "reward.png", Path(grpo_spec.output_dir) / "metrics.jsonl")
+    summary = reward_summary(rewards, out / "reward.png", Path(grpo_spec.output_dir) / METRICS_FILE)
     evaluated = eval_summary(*eval_series(records), grpo_spec.eval.k)
     return (f"sft loss {sft.final_metrics.get(m.LOSS_SFT, float('nan')):.3f} in {sft_s:.0f} s; {summary}; "
             f"{evaluated}; GRPO {(total_s - sft_s) / max(1, grpo.steps_done):.2f} s/step; total {total_s:.0f} s")

@@ -90,12 +90,15 @@ def _where(status_dir: Path | None, host: int) -> str:
 
 def launch(spec_path: str | Path, hosts: int, devices_per_host: int = 1, extra: Sequence[str] = (),
            poll_s: float = 0.05, log_dir: str | Path | None = None, status_dir: str | Path | None = None) -> list[int]:
-    """Run `hosts` host processes to completion; returns their exit codes (all 0 on success).
+    """Run `hosts` host processes to completion; returns their exit codes: each EXIT_OK, or
+    EXIT_CANCELLED when the hosts stopped at a step boundary on a cancel (they agree on it).
 
     Raises LaunchError naming the first host that failed (and, given `status_dir`, the phase it was
     in: the run's output directory, where hosts record their step and phase), after stopping the
     others.
     """
+    from locojax.contract import EXIT_CANCELLED, EXIT_OK
+
     coordinator = f"127.0.0.1:{free_port()}"
     started: list[HostProcess] = []
     logs = []
@@ -119,7 +122,8 @@ def launch(spec_path: str | Path, hosts: int, devices_per_host: int = 1, extra: 
 
         while True:
             codes = [host.process.poll() for host in started]
-            failed = [(host, code) for host, code in zip(started, codes) if code not in (None, 0)]
+            failed = [(host, code) for host, code in zip(started, codes)
+                      if code not in (None, EXIT_OK, EXIT_CANCELLED)]
             if failed:
                 host, code = failed[0]
                 _stop(started)
@@ -127,8 +131,8 @@ def launch(spec_path: str | Path, hosts: int, devices_per_host: int = 1, extra: 
                 where = _where(Path(status_dir) if status_dir else None, host.index)
                 raise LaunchError(f"host {host.index} (pid {host.process.pid}) failed with {reason}{where}; "
                                   f"stopped the other {hosts - 1} host(s)")
-            if all(code == 0 for code in codes):
-                return [0] * hosts
+            if all(code is not None for code in codes):
+                return codes
             time.sleep(poll_s)
     except BaseException:
         _stop(started)

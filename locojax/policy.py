@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from locojax.model import ModelConfig, create_model, get_preset
 from locojax.rollout import SamplingConfig
@@ -53,20 +53,56 @@ def sampling_config(spec: RunSpec, tokenizer: Tokenizer) -> SamplingConfig:
 
 
 def to_local(params: nnx.State, sharding: NamedSharding) -> nnx.State:
-    """A host-local replicated copy of params, placed on this host's rollout mesh. No cross-host
-    traffic: params are replicated across hosts (sharded over fsdp/tensor within a host at most), so
-    every host holds them whole."""
+    """A host-local replicated copy of params, placed on this host's rollout mesh, device to device: no
+    cross-host traffic and no copy through host memory. Params are replicated across hosts (sharded
+    over fsdp/tensor within a host at most), so every host holds them whole."""
     return jax.device_put(jax.tree.map(host_copy, params), sharding)
 
 
 def host_copy(x: jax.Array):
-    """This host's whole copy of `x` (replicated across hosts, maybe sharded over its own devices)."""
+    """This host's whole copy of `x` (replicated across hosts, maybe sharded over its own devices), as
+    an array on this host's devices; nothing is copied to host memory unless `x` is split across hosts.
+      * replicated: one device's copy;
+      * only this process's devices (one process): `x` itself;
+      * sharded over this host's devices only (FSDP/tensor > 1 on a multi-process run): the same shards,
+        viewed as an array over this process's part of the mesh.
+    """
     if x.is_fully_replicated:
         return x.addressable_data(0)
     if x.is_fully_addressable:
         return x
-    # Sharded over this host's devices only: its own shards hold the whole array.
+    local = _host_local_view(x)
+    if local is not None:
+        return local
+    # Split across processes: this host's shards do not hold the whole array, which would need a
+    # cross-host gather (no mode's layout shards params over hosts). The host-memory assembly below
+    # is correct only when the local shards still cover every index; anything else is refused.
     whole = np.empty(x.shape, x.dtype)
+    covered = np.zeros(x.shape, bool)
     for shard in x.addressable_shards:
         whole[shard.index] = np.asarray(shard.data)
+        covered[shard.index] = True
+    if not covered.all():
+        raise ValueError(f"an array of shape {x.shape} is split across processes ({x.sharding}); a host-local "
+                         "copy of it needs a cross-host gather")
     return whole
+
+
+def _host_local_view(x: jax.Array) -> jax.Array | None:
+    """`x`'s shards on this process as one fully addressable array, when every mesh axis `x` is split
+    over lies within this process (so its local shards hold the whole array); else None."""
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh = sharding.mesh
+    try:
+        local = mesh.local_mesh  # this process's devices, as a sub-block of the mesh
+    except ValueError:  # they are not a contiguous sub-block
+        return None
+    split_over = {axis for part in sharding.spec if part is not None
+                  for axis in ((part,) if isinstance(part, str) else part)}
+    if any(local.shape[axis] != mesh.shape[axis] for axis in split_over):
+        return None  # some split crosses processes
+    local = Mesh(local.devices, mesh.axis_names, axis_types=mesh.axis_types)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(local, sharding.spec), [shard.data for shard in x.addressable_shards])

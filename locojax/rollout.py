@@ -290,6 +290,9 @@ def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: Samp
 
     def generate(params, prompt_tokens, prompt_mask, key, row_offset: int = 0) -> RolloutResult:
         """`row_offset`: the global index of this call's first row (its host's offset in the step)."""
+        # This host's rows onto its rollout mesh first: in a multi-process job jit refuses numpy inputs
+        # with a non-replicated sharding (it cannot tell they are this process's own rows).
+        prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), batch_sharding)
         return jitted(params, prompt_tokens, prompt_mask, key, np.int32(row_offset))
 
     return generate

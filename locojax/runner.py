@@ -4,16 +4,19 @@ which returns a `ModeSession`, and that session's `step`.
 
 One step, read top to bottom in `run` below:
   1. an evaluation when the session has one due (outside the step's timers);
-  2. `session.step(...)`: the mode's own work (rollout, reward, advantages, train; or SFT's batch and
+  2. the *previous* step's checkpoint (`session.checkpoint`, which saves every `checkpoint.every`
+     steps), taken only now that that step's metrics are logged, and timed in this step's
+     `time/checkpoint`;
+  3. `session.step(...)`: the mode's own work (rollout, reward, advantages, train; or SFT's batch and
      update), returning this host's record and the tokens it trained;
-  3. the checkpoint (every `checkpoint.every`, always at the last step);
   4. this host's vote on cancellation joins its record, and `session.gather` brings every host's
      record to every host (CO: one all-gather, timed as network; one process: the record itself),
      so all hosts stop after the same step;
   5. the timing split and train throughput are added per host and host 0 writes each host's record
      and the aggregate to `metrics.jsonl`.
-After the last step: a final evaluation when the session has one, then `session.finish` (wait for
-checkpoints, SFT's export), then `result.json`.
+After a cancelled step, or the last one: a forced checkpoint of its state; then, unless cancelled, a
+final evaluation when the session has one; then `session.finish` (wait for checkpoints, SFT's
+export), then `result.json`.
 """
 
 from __future__ import annotations

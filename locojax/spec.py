@@ -261,11 +261,13 @@ class RunSpec(_Strict):
 
 
 class SpecError(ValueError):
-    """A spec that failed validation; `errors` lists (field path, message) pairs."""
+    """A spec that failed validation; `errors` lists (field path, message) pairs. An error of the whole
+    spec (a check across its blocks) has the empty path and is shown as `spec`, the name the API's
+    error details give it (`spec.<path>` for the others)."""
 
     def __init__(self, errors: list[tuple[str, str]], source: str = "spec"):
         self.errors = errors
-        lines = "; ".join(f"{path or '<root>'}: {msg}" for path, msg in errors)
+        lines = "; ".join(f"{path or 'spec'}: {msg}" for path, msg in errors)
         super().__init__(f"invalid {source}: {lines}")
 
 

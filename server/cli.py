@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from locojax.contract import EXIT_FAILED
 from server.settings import Settings, get_settings
 
 
@@ -125,7 +126,7 @@ def token_revoke(token_id: int) -> None:
             tokens.revoke(session, token_id)
     except NotFoundError as exc:
         typer.echo(exc.message, err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_FAILED) from None
     finally:
         db.dispose()
     typer.echo(f"token {token_id} revoked")
@@ -167,7 +168,7 @@ def up(
         plane = start(settings, hosts=hosts, port=port, devices_per_host=devices_per_host)
     except RuntimeError as exc:
         typer.secho(f"locojax up: {exc}; see {settings.home / 'logs'}", fg="red", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_FAILED) from None
     try:
         typer.echo(f"\nLoCoJAX control plane is up\n"
                    f"  dashboard  {plane.url}/\n"

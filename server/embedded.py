@@ -179,7 +179,6 @@ def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, o
     from the model the SFT run exported into its directory. The reward plot goes to `out`.
     """
     from locojax.demo import demo_specs, eval_summary, reward_summary
-    from locojax.sft import EXPORT_DIR
 
     out = out or Path(plane.settings.runs_root) / time.strftime("demo-%Y%m%d-%H%M%S")
     sft_spec, grpo_spec = demo_specs(out)
@@ -189,7 +188,8 @@ def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, o
             body = spec.model_dump(mode="json")
             body["output_dir"] = None  # the server chooses run directories
             if spec is grpo_spec:
-                body["model"]["checkpoint"] = str(run_dir / f"{final['id']}-{sft_spec.name}" / EXPORT_DIR)
+                sft_dir = run_dir / c.run_dir_name(final["id"], sft_spec.name)
+                body["model"]["checkpoint"] = str(sft_dir / c.EXPORT_DIR)
             run = client.submit(body)
             echo(f"submitted run {run['id']} ({spec.name}, {spec.kind}, {spec.steps} steps): "
                  f"{plane.url}/runs/{run['id']}")
@@ -205,14 +205,15 @@ def run_demo(plane: ControlPlane, stop: threading.Event, *, echo: Any = print, o
                      f"[{time.monotonic() - started:.0f} s]")
 
             final = wait_for_run(client, run["id"], on_progress=progress, stop=stop)
-            if final["status"] != "SUCCEEDED":
+            if final["status"] != c.RunStatus.SUCCEEDED.value:
                 echo(f"run {run['id']} ended {final['status']}: {final.get('status_reason')}")
                 return
         keys = [c.REWARD_MEAN, c.EVAL_ACCURACY, c.EVAL_PASS_AT_K]
         history = {series["key"]: series for series in
                    client.metric_history(final["id"], keys, max_points=10_000)["series"]}
         rewards = history[c.REWARD_MEAN]["last"] if c.REWARD_MEAN in history else []
-        echo(reward_summary(rewards, out / "reward.png", run_dir / f"{final['id']}-{grpo_spec.name}" / c.METRICS_FILE))
+        metrics_file = run_dir / c.run_dir_name(final["id"], grpo_spec.name) / c.METRICS_FILE
+        echo(reward_summary(rewards, out / "reward.png", metrics_file))
         accuracy, pass_at_k = history.get(c.EVAL_ACCURACY), history.get(c.EVAL_PASS_AT_K)
         if accuracy and pass_at_k:
             echo(eval_summary(accuracy["steps"], accuracy["last"], pass_at_k["last"], grpo_spec.eval.k))

@@ -220,9 +220,9 @@ class Host(Base):
     not_before: Mapped[datetime | None]
 
 
-# Aggregated rows (over all hosts of a step) use this host value; 0..N-1 are process indices. An int
-# sentinel keeps the primary key narrow and the column typed the same on both backends.
-AGGREGATE_HOST = -1
+# Aggregated rows (over all hosts of a step) use this host value; 0..N-1 are process indices (the
+# contract's convention, which the worker's metrics relay writes too).
+AGGREGATE_HOST = contract.AGGREGATE_HOST_INDEX
 
 
 class StepMetric(Base):

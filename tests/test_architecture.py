@@ -33,36 +33,93 @@ def test_the_contract_imports_nothing_but_the_standard_library():
     assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
 
 
-# A comparison of a mode (a variable, attribute or mapping value whose name ends in "mode") with a
-# literal mode name, either way round, or a membership test of one in a literal collection.
-_MODE_NAME = r"""['"](?:co|sc|da|sft)['"]"""
-MODE_BRANCH = re.compile(
-    rf"""mode['"]?\]?\)?\s*(?:==|!=)\s*{_MODE_NAME}"""
-    rf"""|{_MODE_NAME}\s*(?:==|!=)\s*[\w.\[\]'"()]*mode\b"""
-    rf"""|mode['"]?\]?\)?\s+(?:not\s+)?in\s*[(\[{{]\s*{_MODE_NAME}""")
+MODE_NAMES = frozenset({"co", "sc", "da", "sft"})
+# Something that holds a mode or a spec's kind: a name or attribute (`mode`, `run.mode`,
+# `placement_mode`, `spec.kind`) or a mapping key (`spec["placement"]["mode"]`, `row.get("mode")`).
+_MODE_HOLDER = re.compile(r"(?:^|_)(?:mode|kind)$")
 
 
-def test_the_mode_branch_pattern_catches_the_usual_spellings():
-    for line in ('if mode == "co":', 'if run.mode != "da":', 'x = placement.mode == "sc" and y',
-                 'if mode in ("co", "sc"):', 'if spec.placement.mode not in ["da"]:', "if 'da' == run.mode:",
-                 'if spec["placement"]["mode"] == "da":', 'if row.get("mode") == "co":'):
-        assert MODE_BRANCH.search(line), line
-    for line in ('if kind == "sft":', 'mode = MODES.get(name)', 'if e.placement.mode == mode:'):
-        assert not MODE_BRANCH.search(line), line
+def _names_a_mode(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and _MODE_HOLDER.search(sub.id):
+            return True
+        if isinstance(sub, ast.Attribute) and _MODE_HOLDER.search(sub.attr):
+            return True
+        if isinstance(sub, ast.Constant) and sub.value in ("mode", "kind"):
+            return True
+    return False
+
+
+def _mode_constants(node: ast.AST) -> set[str]:
+    """The mode names `node` spells: a string constant, or those in a literal tuple, list or set."""
+    if isinstance(node, ast.Constant) and node.value in MODE_NAMES:
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {elt.value for elt in node.elts if isinstance(elt, ast.Constant) and elt.value in MODE_NAMES}
+    return set()
+
+
+def _case_constants(pattern: ast.AST) -> set[str]:
+    return {sub.value.value for sub in ast.walk(pattern) if isinstance(sub, ast.MatchValue)
+            and isinstance(sub.value, ast.Constant) and sub.value.value in MODE_NAMES}
+
+
+def mode_branches(source: str) -> list[tuple[int, str]]:
+    """Where `source` decides by a mode's name: a comparison of a literal mode name (or a literal
+    collection of them) with something holding a mode or kind, either way round and however reached
+    (`mode.name == "co"`, `run.mode.value != "da"`, `"sc" in (mode,)`, `spec.kind == "sft"`); a `match`
+    with a case on a mode name; a dict literal keyed by two or more mode names (dispatch by name)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for index, operand in enumerate(operands):
+                if _mode_constants(operand) and any(_names_a_mode(other) for other_index, other in enumerate(operands)
+                                                    if other_index != index):
+                    found.append((node.lineno, "compares a mode's name"))
+                    break
+        elif isinstance(node, ast.Match):
+            if any(_case_constants(case.pattern) for case in node.cases):
+                found.append((node.lineno, "matches on a mode's name"))
+        elif isinstance(node, ast.Dict):
+            keys = {key.value for key in node.keys if isinstance(key, ast.Constant) and key.value in MODE_NAMES}
+            if len(keys) >= 2:
+                found.append((node.lineno, f"a dict keyed by mode names {sorted(keys)}"))
+    return found
+
+
+@pytest.mark.parametrize("source", [
+    'if mode == "co": pass', 'if run.mode != "da": pass', 'x = placement.mode == "sc" and y',
+    'if mode in ("co", "sc"): pass', 'if spec.placement.mode not in ["da"]: pass', "if 'da' == run.mode: pass",
+    'if spec["placement"]["mode"] == "da": pass', 'if row.get("mode") == "co": pass', 'if kind == "sft": pass',
+    'if spec.kind == "sft": pass', 'if mode.name == "co": pass', 'if run.mode.value == "da": pass',
+    'if run.mode.lower() == "sc": pass', 'if "da" in (mode,): pass', 'ok = placement_mode == "co"',
+    'match mode:\n    case "sc":\n        pass', 'match run.mode:\n    case "co" | "da":\n        pass',
+    'order = {"co": 0, "da": 1, "sc": 2}[mode]', 'handlers = {"co": run_co, "sc": run_sc}',
+])
+def test_the_mode_branch_check_catches_the_usual_spellings(source):
+    assert mode_branches(source), source
+
+
+@pytest.mark.parametrize("source", [
+    'mode = MODES.get(name)', 'if e.placement.mode == mode: pass', 'if MODE_COSTS.get(mode).rollout_groups: pass',
+    'spec = {"kind": "sft", "placement": {"mode": "co"}}', 'if name == "co": pass', 'x = {"co": 1}',
+    'match command:\n    case "train":\n        pass',
+])
+def test_the_mode_branch_check_leaves_mode_agnostic_code_alone(source):
+    assert not mode_branches(source), source
 
 
 def test_no_mode_branches_outside_the_modes_package():
     """What a mode means is its ModeDef (locojax.modes) and its cost entry (placement.cost_model.MODE_COSTS);
-    code elsewhere asks those, it does not test the mode's name."""
+    code elsewhere asks those, it does not test the mode's name (nor `kind`: kind `sft` is the sft mode)."""
     found = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             relative = path.relative_to(ROOT)
             if relative.parts[:2] == ("locojax", "modes"):
                 continue
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if MODE_BRANCH.search(line.split("#")[0]):
-                    found.append(f"{relative}:{number}: {line.strip()}")
+            found += [f"{relative}:{line}: {what}" for line, what in mode_branches(path.read_text(encoding="utf-8"))]
     assert not found, "\n".join(found)
 
 
@@ -147,11 +204,16 @@ def test_the_services_import_no_cycle():
     assert not cycles, {name: sorted(graph[name]) for name in cycles}
 
 
+# The one module of each part that reads the environment: the control plane's settings, and the host
+# worker's command line (a host agent: it cannot use the server's settings, which hold the database's).
+ENVIRONMENT_READERS = {Path("server/settings.py"), Path("worker/cli.py")}
+
+
 def test_only_the_settings_read_the_environment_on_the_control_plane():
     reads = re.compile(r"\bos\.environ\b|\bgetenv\(|\benvvar=|\benviron\.get\(")
     found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-             for package in ("server", "web") for path in sorted((ROOT / package).rglob("*.py"))
-             if path.relative_to(ROOT) != Path("server/settings.py")
+             for package in ("server", "web", "worker") for path in sorted((ROOT / package).rglob("*.py"))
+             if path.relative_to(ROOT) not in ENVIRONMENT_READERS
              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              if reads.search(line.split("#")[0])]
     assert not found, "\n".join(found)

@@ -33,6 +33,8 @@ class Header:
     total_steps: int | None
     preset: str
     task: str
+    cancellable: bool = False  # a cancel would change something: live, and not already CANCELLING
+    resumable: bool = False  # the lifecycle's resume edge applies (run_service.RESUMABLE)
 
     @property
     def progress_percent(self) -> float | None:
@@ -65,8 +67,11 @@ def trained_step(latest: Latest) -> int | None:
 
 def header(run: Run, latest: Latest) -> Header:
     spec = run.spec or {}
+    status = RunStatus(run.status)
     return Header(
         run=run, terminal=is_terminal(run.status), running_s=running_seconds(run),
+        cancellable=not status.terminal and status is not RunStatus.CANCELLING,
+        resumable=status in run_service.RESUMABLE,
         last_step=trained_step(latest), total_steps=spec.get("steps"),
         preset=str((spec.get("model") or {}).get("preset", "")), task=str((spec.get("task") or {}).get("name", "")),
     )

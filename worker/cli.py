@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from locojax.contract import EXIT_SPEC_ERROR
+
 
 def worker(
     name: Annotated[str, typer.Option(help="host name; the worker consumes queue host.<name>")] = socket.gethostname(),
@@ -44,10 +46,10 @@ def worker(
 
     if not token:
         typer.echo("no token: pass --token or set LOCOJAX_TOKEN (locojax token create --scope worker)", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
     if not broker_url:
         typer.echo("no broker: pass --broker-url or set LOCOJAX_BROKER_URL (the API's broker)", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_SPEC_ERROR)
     try:
         pinned = [int(part) for part in cores.split(",")] if cores else None
     except ValueError:

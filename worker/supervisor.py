@@ -37,8 +37,9 @@ from typing import Any
 import httpx
 
 from locojax.client import ApiClient, ApiClientError
-from locojax.contract import (CHECKPOINTS_DIR, CONTROL_DIR, EXIT_CANCELLED, METRICS_FILE, TERMINAL_STATES,
-                              HostProcessStatus, RunStatus, read_host_status, read_run_marker, write_run_marker)
+from locojax.contract import (CHECKPOINTS_DIR, CONTROL_DIR, EXIT_CANCELLED, EXIT_OK, METRICS_FILE,
+                              METRICS_PROCESS_INDEX, TERMINAL_STATES, HostProcessStatus, RunStatus, host_index,
+                              read_host_status, read_run_marker, run_dir_name, write_run_marker)
 from locojax.modes import ROLE_CO, ROLE_CONTROLLER, ROLE_ROLLOUT, ROLE_TRAIN, ROLE_WORKER, spec_mode
 from locojax.spec import RunSpec, dump_spec
 
@@ -187,13 +188,13 @@ def _metric_row(line: bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
         step, host = int(record.pop("step")), record.pop("host")
+        index = host_index(host)  # the aggregate's rows go under the contract's AGGREGATE_HOST_INDEX
     except (ValueError, KeyError, TypeError):
         return None
-    host_index = -1 if host == "all" else int(host)
     # JSON nulls are the engine's non-finite values; the API stores finite floats only.
     values = {key: float(value) for key, value in record.items()
               if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
-    return {"step": step, "host": host_index, "values": values} if values else None
+    return {"step": step, "host": index, "values": values} if values else None
 
 
 class OutputRelay:
@@ -330,7 +331,7 @@ class HostSupervisor:
         misconfigured): the directory must be `<runs_root>/<id>-<name>` with symlinks resolved, and must
         not belong to another run (its `.control/run-id` marker). Returns why not, or None."""
         root = self.ctx.runs_root.resolve()
-        expected = root / f"{self.run_id}-{run['name']}"
+        expected = root / run_dir_name(self.run_id, run['name'])
         real = self.out.resolve()
         if real != expected or real.parent != root:
             return f"run directory {self.out} is not {expected} (this host writes only under {root})"
@@ -397,7 +398,7 @@ class HostSupervisor:
         output = OutputRelay(self.api, self.run_id, f"host{self.index}", self.attempt * EVENT_SEQ_PER_ATTEMPT,
                              self.process.stdout, attempt=self.attempt, host_name=self.ctx.host_name)
         metrics = (MetricsRelay(self.api, self.run_id, self.out / METRICS_FILE, attempt=self.attempt,
-                                host_name=self.ctx.host_name) if self.index == 0 else None)
+                                host_name=self.ctx.host_name) if self.index == METRICS_PROCESS_INDEX else None)
         checkpoint_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else self.out / CHECKPOINTS_DIR
         reported_checkpoint: int | None = None
         cancel_at: float | None = None
@@ -494,7 +495,7 @@ class HostSupervisor:
     def _report_exit(self, returncode: int, stop_reason: str | None, tail: list[str]) -> str:
         self.secret_file.unlink(missing_ok=True)
         fields: dict[str, Any] = {"exit_code": returncode, "ended_at": now_utc().isoformat()}
-        if returncode == 0:
+        if returncode == EXIT_OK:
             status, reason = HostProcessStatus.EXITED, "exited cleanly"
         elif returncode == EXIT_CANCELLED:
             status, reason = HostProcessStatus.EXITED, "stopped at a step boundary on a cancel request"

@@ -84,6 +84,9 @@ class ModeDef:
     multi_process: bool = False  # `locojax train` on more than one host starts local host processes
     uses_ray: bool = False  # takes the operator's Ray cluster (`--ray-address`)
     evaluates: bool = False  # runs the spec's `eval:` block
+    # Samples groups of completions to train on (GRPO); False: trains on the task's reference answers
+    # (SFT: one row per prompt, no rollout, no KL reference). The memory plan and the trainer ask it.
+    samples: bool = True
 
     def session_class(self):
         module_name, name = self.session.split(":")
@@ -205,4 +208,4 @@ MODES.register("da")(ModeDef(
     validate_placement=_check_da_placement, rollout_hosts=_da_rollout_hosts, rollout_groups=True, uses_ray=True))
 MODES.register("sft")(ModeDef(
     "sft", "supervised warm start: teacher-forced updates on the task's reference answers, one host",
-    "locojax.sft:SFTSession", _controller_on_first_host, _one_host, validate=_check_sft))
+    "locojax.modes.sft:SFTSession", _controller_on_first_host, _one_host, validate=_check_sft, samples=False))

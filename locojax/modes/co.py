@@ -16,8 +16,6 @@ With one process there is no `jax.distributed` at all; the same code runs on the
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import jax
 import numpy as np
 
@@ -31,6 +29,7 @@ from locojax.modes.common import (
     params_checksum,
     prepare_trainer,
     prompts_for,
+    reward_pool,
     score_and_normalise,
     to_local,
     train_temperature,
@@ -64,7 +63,7 @@ class COSession(TrainerSession):
             first, shard = host_slice(self.trainer.held_out, host, num_hosts)
             self.evaluator = Evaluator(spec, spec.eval, self.trainer.policy, shard,
                                        eval_rewards(spec.eval, self.trainer.task), first, jax.local_devices())
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        self.pool = reward_pool()
 
     def evaluate(self, step: int, where: HostStatus) -> dict[str, float]:
         if self.evaluator is None or not evaluation_due(self.spec.eval, step):

@@ -7,7 +7,10 @@ controller before scoring; DA calls them on rollout actors and ships batches to 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import math
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,6 +32,7 @@ from locojax.rollout import (
     rollout_mesh,
 )
 from locojax.contract import EngineStatus, HostStatus
+from locojax.modes import spec_mode
 from locojax.policy import Policy, host_copy, load_policy, sampling_config, to_local  # noqa: F401  (the modes' imports)
 from locojax.runner import ModeSession
 from locojax.spec import RunSpec
@@ -82,6 +86,14 @@ class HostRollout:
         return out
 
 
+REWARD_THREADS = 4  # reward functions run on the host CPU, in this many threads per scoring process
+
+
+def reward_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads a mode's scoring process runs reward functions in (`score_and_normalise`'s pool)."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=REWARD_THREADS, thread_name_prefix="reward")
+
+
 class RolloutRunner:
     """Rollout + detokenise for a fixed per-host batch on a given set of local devices."""
 
@@ -124,28 +136,65 @@ def score_and_normalise(spec: RunSpec, task: Task, examples: Sequence[Example], 
     return np.asarray(rewards, np.float32), per_fn, advantages
 
 
-@jax.jit
-def _fingerprint(leaves: list[jax.Array]) -> jax.Array:
+# One piece of a leaf for the fingerprint: (leaf index, the piece's offset in the leaf, the leaf's shape).
+_PieceLayout = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _fingerprint(pieces: list[jax.Array], layout: tuple[_PieceLayout, ...]) -> jax.Array:
     # Integer arithmetic wraps mod 2**32, so the sum is exact and independent of reduction order:
     # the same values give the same fingerprint on any device and any host.
     total = jnp.zeros((), jnp.uint32)
-    for index, leaf in enumerate(leaves):
-        bits = jax.lax.bitcast_convert_type(leaf, jnp.uint32 if leaf.dtype.itemsize == 4 else jnp.uint16)
-        flat = bits.reshape(-1).astype(jnp.uint32)
+    for piece, (index, offsets, shape) in zip(pieces, layout):
+        bits = jax.lax.bitcast_convert_type(piece, jnp.uint32 if piece.dtype.itemsize == 4 else jnp.uint16)
+        # Each value's flat position in the whole leaf, however the leaf is cut into pieces.
+        strides = [math.prod(shape[axis + 1:]) for axis in range(len(shape))]
+        position = jnp.zeros(piece.shape, jnp.uint32)
+        for axis, (offset, stride) in enumerate(zip(offsets, strides)):
+            along = (jnp.arange(piece.shape[axis], dtype=jnp.uint32) + jnp.uint32(offset)) * jnp.uint32(stride)
+            position = position + along.reshape([-1 if a == axis else 1 for a in range(piece.ndim)])
         # A position-dependent odd weight, so swapped or shifted values change the fingerprint too.
-        weights = (jnp.arange(flat.size, dtype=jnp.uint32) + jnp.uint32(index * 0x9E37)) * jnp.uint32(2654435761) | 1
-        total = total + jnp.sum(flat * weights, dtype=jnp.uint32)
+        weights = (position + jnp.uint32(index * 0x9E37)) * jnp.uint32(2654435761) | 1
+        total = total + jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32)
     return total
+
+
+def _distinct_pieces(leaf) -> list[tuple[jax.Array, tuple[int, ...]]]:
+    """Every distinct part of this host's copy of `leaf` once, as (its shard, its offset in the leaf):
+    all the shards over the host's devices when it is sharded (FSDP/tensor), one copy of a replica."""
+    if not isinstance(leaf, jax.Array):
+        return [(jnp.asarray(leaf), (0,) * np.ndim(leaf))]
+    pieces = {}
+    for shard in leaf.addressable_shards:
+        offsets = tuple(part.indices(size)[0] for part, size in zip(shard.index, leaf.shape))
+        pieces.setdefault(offsets, shard.data)  # replicas of a part hold the same values
+    return [(data, offsets) for offsets, data in pieces.items()]
 
 
 def params_checksum(params: nnx.State) -> jax.Array:
     """A fingerprint of this host's copy of the params as one device scalar (uint32, exact as a float):
     reported per host, when `debug.checksum_every` asks, so a test can check that all hosts hold
-    identical weights. Computed on the host's first local device; nothing is copied to the host but
-    the scalar."""
-    leaves = [leaf.addressable_data(0) if hasattr(leaf, "addressable_data") else leaf
-              for leaf in jax.tree.leaves(params)]
-    return _fingerprint(leaves)
+    identical weights.
+
+    It covers every value this host holds: each distinct shard of a leaf sharded over the host's devices
+    (FSDP/tensor), one copy of a replicated one, each value weighted by its position in the whole leaf.
+    So it depends only on the values, not on how they are placed: the same params give the same checksum
+    replicated, sharded any way over this host's devices, or on another device. Each device fingerprints
+    the shards it holds; only the per-device scalars move (to the first one), nothing to the host."""
+    by_device: dict[jax.Device, tuple[list[jax.Array], list[_PieceLayout]]] = {}
+    for index, leaf in enumerate(jax.tree.leaves(params)):
+        for data, offsets in _distinct_pieces(leaf):
+            pieces, layout = by_device.setdefault(next(iter(data.devices())), ([], []))
+            pieces.append(data)
+            layout.append((index, offsets, tuple(np.shape(leaf))))
+    partials = [_fingerprint(pieces, tuple(layout)) for pieces, layout in by_device.values()]
+    if not partials:
+        return jnp.zeros((), jnp.uint32)
+    home = next(iter(partials[0].devices()))
+    total = partials[0]
+    for partial in partials[1:]:
+        total = total + jax.device_put(partial, home)
+    return total
 
 
 @dataclasses.dataclass
@@ -198,16 +247,17 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
     (params and AdamW moments sharded per the logical-axis rules), after the memory plan says it fits;
     restored from the latest checkpoint when `resume` and one exists. The step function is the GRPO
     step, or the SFT step (one update per step) for `kind: sft`."""
+    samples = spec_mode(spec).samples  # False: SFT, trained on the task's reference answers
     # Refuse before the first parameter exists (this host's share of `devices`).
-    check_spec_fits(spec, [d for d in devices if d.process_index == jax.process_index()], jax.process_count())
+    check_spec_fits(spec, [d for d in devices if d.process_index == jax.process_index()], jax.process_count(),
+                    samples=samples)
     policy = load_policy(spec)
     mesh = make_mesh(devices, fsdp=spec.placement.fsdp, tensor=spec.placement.tensor)
-    sft = spec.kind == "sft"
-    optimizer = make_optimizer(spec.optim, spec.steps, 1 if sft else spec.algo.num_iterations)
+    optimizer = make_optimizer(spec.optim, spec.steps, spec.algo.num_iterations if samples else 1)
     state = init_train_state(shard_state(policy.params, mesh), optimizer, seed=spec.seed)
     state = jax.device_put(state, train_state_shardings(state, optimizer, mesh))
     # A copy: the train step donates the state's buffers.
-    reference_params = jax.tree.map(jnp.copy, state.params) if not sft and spec.algo.kl_coef > 0 else None
+    reference_params = jax.tree.map(jnp.copy, state.params) if samples and spec.algo.kl_coef > 0 else None
     checkpoints = Checkpointer(spec.checkpoint.dir or checkpoint_dir, every=spec.checkpoint.every,
                                keep=spec.checkpoint.keep)
     start_step = 0
@@ -216,7 +266,7 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
         if restored is not None:
             state = restored[0]
             start_step = int(jax.device_get(state.step))
-    if sft:
+    if not samples:
         train_step = make_sft_step(policy.graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size, mesh=mesh,
                                    remat=spec.model.remat)
     else:

@@ -37,8 +37,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from locojax import metrics as m
-from locojax.contract import CHECKPOINTS_DIR, CHECKSUM_KEY, DA_ROLLOUT_CHECKSUM, DA_ROLLOUT_VERSION, RunResult
-from locojax.runner import ModeSession, StepOutput, checksum_due, run
+from locojax.contract import CHECKPOINTS_DIR, CHECKSUM_KEY, DA_ROLLOUT_CHECKSUM, DA_ROLLOUT_VERSION
+from locojax.runner import ModeSession, StepOutput, checksum_due
 from locojax.spec import RunSpec
 
 STALENESS_KEY = m.DA_STALENESS
@@ -82,11 +82,9 @@ class RolloutHost:
     def __init__(self, spec_json: dict, index: int, num_rollout_hosts: int, cores: Sequence[int] | None,
                  reward_modules: Sequence[str] = ()):
         _pin_and_configure(cores, spec_json["placement"]["devices_per_host"])
-        import concurrent.futures
-
         import jax
 
-        from locojax.modes.common import RolloutRunner, load_policy
+        from locojax.modes.common import RolloutRunner, load_policy, reward_pool
         from locojax.rewards import allow_reward_modules
         from locojax.tasks import make_task
 
@@ -101,7 +99,7 @@ class RolloutHost:
         self.runner = RolloutRunner(self.spec, self.policy, prompts, jax.local_devices())
         self.params = jax.device_put(self.policy.params, self.runner.replicated)
         self.version = 0  # how many updates the loaded weights have seen
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        self.pool = reward_pool()
 
     def load_weights(self, flat: list[np.ndarray], version: int) -> float:
         import jax
@@ -456,11 +454,6 @@ class DASession(ModeSession):
             from locojax.modes.da_cluster import stop_ray_leftovers
 
             stop_ray_leftovers()
-
-
-def run_da(spec: RunSpec, **options) -> RunResult:
-    """Options as `run`'s, plus `ray_address`: an operator's Ray cluster; default: a private one here."""
-    return run(spec, DASession, **options)
 
 
 def da_split(step_s: float, train_s: float, sync_s: float, record: dict[str, float]) -> dict[str, float]:

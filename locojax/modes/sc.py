@@ -21,7 +21,6 @@ sc-worker`) and they connect to the controller's published address.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import signal
 import subprocess
@@ -35,8 +34,8 @@ import numpy as np
 from locojax import link
 from locojax.launch import cores_for_host
 from locojax import metrics as m
-from locojax.contract import CHECKSUM_KEY, CONTROL_DIR, EngineStatus, HostStatus, RunResult
-from locojax.runner import ModeSession, StepOutput, checkpoint_dir, checksum_due, output_dir, run
+from locojax.contract import CHECKSUM_KEY, CONTROL_DIR, EngineStatus, HostStatus
+from locojax.runner import ModeSession, StepOutput, checkpoint_dir, checksum_due, output_dir
 from locojax.spec import RunSpec, dump_spec
 
 CONNECT_TIMEOUT_S = 300.0  # workers compile nothing before they connect, but may queue for cores
@@ -58,6 +57,7 @@ class SCSession(ModeSession):
 
     def __init__(self, spec: RunSpec, *, resume: bool = False, listen: str | None = None,
                  secret_file: str | Path | None = None):
+        from locojax.modes.common import reward_pool
         from locojax.tasks import load_task_data
         from locojax.tokenizer import load_tokenizer
 
@@ -66,7 +66,7 @@ class SCSession(ModeSession):
         self.tokenizer = load_tokenizer(spec.model.tokenizer)
         self.task = load_task_data(spec.task, spec.eval).train
         self.rows_per_host = spec.rollout.prompts_per_step // self.hosts * spec.rollout.group_size
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        self.pool = reward_pool()
         self.children: list[subprocess.Popen] = []
         self.connections: list[Connection] = []
         self.worker_rows: list[dict[str, float]] = []
@@ -318,10 +318,6 @@ def _pin_and_die_with_parent(cores: Sequence[int]) -> None:
     os.sched_setaffinity(0, list(cores))
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def run_sc(spec: RunSpec, **options) -> RunResult:
-    return run(spec, SCSession, **options)
 
 
 # ---------------------------------------------------------------------------------------------

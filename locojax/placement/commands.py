@@ -13,6 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from locojax.contract import EXIT_SPEC_ERROR
+
 LocalProfileOption = Annotated[
     Optional[Path],
     typer.Option("--local-profile", help="measured local-cpu profile (`locojax probe`); "
@@ -30,7 +32,7 @@ def _resolve_hardware(name: str, local_profile: Path | None):
 
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(EXIT_SPEC_ERROR)
 
 
 def recommend_command(

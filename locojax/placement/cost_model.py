@@ -595,6 +595,9 @@ class ModeCost:
     estimate: Callable[[ModelSize, HardwareProfile, WorkloadProfile, Placement], StepEstimate]
     single_controller: bool = False  # one process dispatches every computation and scores every sample
     rollout_groups: bool = False  # hosts split into rollout and train groups (needs rollout_fraction)
+    # The recommender's tie-break among near-equal step times on as many chips: the lower rank, the
+    # simpler mode to run (CO 0, DA 1, SC 2).
+    tie_rank: int = 0
     # Whether the engine's measured device/host/network split means what this entry's split means.
     # Not for DA: the engine times its overlapped branches from the driver (the train host's step as
     # device, the weight push as network), where the model puts the rollout branch's scoring in host
@@ -609,9 +612,9 @@ class ModeCost:
 
 
 MODE_COSTS: Registry[ModeCost] = Registry("placement mode")
-MODE_COSTS.register("sc")(ModeCost("sc", _estimate_colocated, single_controller=True))
+MODE_COSTS.register("sc")(ModeCost("sc", _estimate_colocated, single_controller=True, tie_rank=2))
 MODE_COSTS.register("co")(ModeCost("co", _estimate_colocated))
-MODE_COSTS.register("da")(ModeCost("da", _estimate_da, rollout_groups=True, split_comparable=False))
+MODE_COSTS.register("da")(ModeCost("da", _estimate_da, rollout_groups=True, tie_rank=1, split_comparable=False))
 
 
 def _finish(placement: Placement, hardware: HardwareProfile, critical: Terms, breakdown: dict[str, float],

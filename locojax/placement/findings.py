@@ -114,7 +114,8 @@ def da_three_quarters_wins_on_numina(setting: Setting) -> tuple[bool, str]:
                             candidate_placements(256, setting.hardware.chips_per_host))
     choice = ranked[0].placement
     gain = 1 - setting.step("da", 256, "numina-cot", 0.75).step_s / setting.step("co", 256, "numina-cot").step_s
-    holds = 0.10 <= gain <= 0.20 and (choice.mode, choice.chips, choice.rollout_fraction) == ("da", 256, 0.75)
+    paper_pick = Placement("da", 256, setting.hardware.chips_per_host, 0.75)  # the placement the paper found
+    holds = 0.10 <= gain <= 0.20 and choice == paper_pick
     def label(placement: Placement) -> str:
         mode = MODE_COSTS.get(placement.mode).label(placement.rollout_fraction, digits=1)
         return f"{mode} on {placement.chips} chips"

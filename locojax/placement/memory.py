@@ -278,15 +278,15 @@ def spec_model_config(spec) -> ModelConfig:
     return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
 
 
-def plan_for_spec(spec, devices, hosts: int) -> MemoryPlan:
+def plan_for_spec(spec, devices, hosts: int, *, samples: bool) -> MemoryPlan:
     """The plan of `spec` on this host's `devices` (one of `hosts` hosts sharing the prompts), against
-    their capacity. SFT runs plan the same terms with their batch (no rollout, no reference)."""
+    their capacity. A run whose mode does not sample (`samples=False`: SFT, `ModeDef.samples`) plans the
+    same terms with its batch of reference answers (no rollout groups, no reference policy)."""
     from locojax.train import _num_micro_batches
 
     devices = list(devices)
     config = spec_model_config(spec)
-    sft = spec.kind == "sft"
-    rows_per_host = spec.rollout.prompts_per_step * (1 if sft else spec.rollout.group_size) // max(hosts, 1)
+    rows_per_host = spec.rollout.prompts_per_step * (spec.rollout.group_size if samples else 1) // max(hosts, 1)
     fsdp, tensor = spec.placement.fsdp, spec.placement.tensor
     if len(devices) % (fsdp * tensor):
         raise ValueError(f"placement.fsdp x placement.tensor ({fsdp} x {tensor}) must divide this host's "
@@ -298,14 +298,14 @@ def plan_for_spec(spec, devices, hosts: int) -> MemoryPlan:
     capacity, capacity_name, runtime = device_capacity(devices)
     return plan_memory(config, rows_per_host=rows_per_host, prompt_len=spec.rollout.max_prompt_tokens,
                        new_len=spec.rollout.max_new_tokens, mesh=mesh, dtype=spec.model.dtype,
-                       remat=spec.model.remat, kl_reference=not sft and spec.algo.kl_coef > 0,
+                       remat=spec.model.remat, kl_reference=samples and spec.algo.kl_coef > 0,
                        micro_batches=micro_batches, runtime_bytes=runtime, capacity_bytes=capacity,
                        capacity_name=capacity_name)
 
 
-def check_spec_fits(spec, devices, hosts: int, echo=None) -> MemoryPlan:
+def check_spec_fits(spec, devices, hosts: int, *, samples: bool, echo=None) -> MemoryPlan:
     """Print the plan (to `echo`, default stderr) and raise `MemoryPlanError` if it does not fit."""
-    plan = plan_for_spec(spec, devices, hosts)
+    plan = plan_for_spec(spec, devices, hosts, samples=samples)
     if echo is None:
         import sys
 

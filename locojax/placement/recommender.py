@@ -142,15 +142,18 @@ def candidate_placements(chips: int, chips_per_host: int) -> list[Placement]:
     placements: list[Placement] = []
     for hosts in host_counts:
         used = hosts * chips_per_host
-        placements.append(Placement("co", used, chips_per_host))
-        placements.append(Placement("sc", used, chips_per_host))
-        seen_rollout_hosts: set[int] = set()
-        for fraction in ROLLOUT_FRACTIONS:
-            rollout_hosts = round(hosts * fraction)
-            if not 1 <= rollout_hosts <= hosts - 1 or rollout_hosts in seen_rollout_hosts:
+        for mode in MODE_COSTS:
+            if not MODE_COSTS.get(mode).rollout_groups:
+                placements.append(Placement(mode, used, chips_per_host))
                 continue
-            seen_rollout_hosts.add(rollout_hosts)
-            placements.append(Placement("da", used, chips_per_host, fraction))
+            # A mode with rollout and train groups: one option per distinct rollout host count.
+            seen_rollout_hosts: set[int] = set()
+            for fraction in ROLLOUT_FRACTIONS:
+                rollout_hosts = round(hosts * fraction)
+                if not 1 <= rollout_hosts <= hosts - 1 or rollout_hosts in seen_rollout_hosts:
+                    continue
+                seen_rollout_hosts.add(rollout_hosts)
+                placements.append(Placement(mode, used, chips_per_host, fraction))
     return placements
 
 
@@ -163,13 +166,15 @@ def rank_estimates(model: ModelSize, hardware: HardwareProfile, workload: Worklo
             estimates.append(estimate_step(model, hardware, workload, placement))
         except InfeasiblePlacement:
             continue
-    mode_order = {"co": 0, "da": 1, "sc": 2}
-    estimates.sort(key=lambda e: (e.step_s, e.placement.chips, mode_order[e.placement.mode]))
+    def tie_rank(estimate: StepEstimate) -> int:
+        return MODE_COSTS.get(estimate.placement.mode).tie_rank
+
+    estimates.sort(key=lambda e: (e.step_s, e.placement.chips, tie_rank(e)))
     if not estimates:
         return estimates
     best = estimates[0].step_s
     near = [e for e in estimates if e.step_s <= best * (1 + TIE_TOLERANCE)]
-    winner = min(near, key=lambda e: (e.placement.chips, mode_order[e.placement.mode], e.step_s))
+    winner = min(near, key=lambda e: (e.placement.chips, tie_rank(e), e.step_s))
     estimates.remove(winner)
     return [winner, *estimates]
 

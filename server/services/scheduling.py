@@ -34,7 +34,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
-from locojax.contract import StartHostMessage
+from locojax.contract import StartHostMessage, run_dir_name
 from locojax.modes import ProcessLayout, mode_for
 from locojax.spec import PlacementSpec
 from server.models import (
@@ -62,7 +62,7 @@ StartMessage = StartHostMessage  # the contract's shape of one `start_host` task
 def output_dir(run: Run, settings: Settings) -> str:
     """Where the run's host processes write: always `runs_root/<id>-<name>`, one directory per run id
     (two runs may share a name; specs may not choose a directory, see runs.check_paths)."""
-    return str(Path(settings.runs_root) / f"{run.id}-{run.name}")
+    return str(Path(settings.runs_root) / run_dir_name(run.id, run.name))
 
 
 def run_layout(run: Run) -> ProcessLayout:

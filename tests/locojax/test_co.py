@@ -96,6 +96,87 @@ def test_two_hosts_equal_one_host_with_two_devices(tmp_path):
         assert set(sums) == {0, 1} and sums[0] == sums[1]
 
 
+# Run as process 0 and 1 of a 2-process job with 2 CPU devices each: the mesh is data 2 (one row per
+# process) x fsdp 2 (within each process), the params' layout under placement.fsdp 2 on two hosts.
+HOST_LOCAL_PROBE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+process, port = int(sys.argv[1]), sys.argv[2]
+jax.config.update("jax_num_cpu_devices", 2)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+from jax.sharding import NamedSharding, PartitionSpec as P
+from locojax.model.sharding import make_mesh
+from locojax.modes.common import params_checksum
+from locojax.policy import host_copy, to_local
+from locojax.rollout import rollout_mesh
+
+mesh = make_mesh(jax.devices(), fsdp=2)
+values = np.arange(32, dtype=np.float32).reshape(4, 8)
+x = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("fsdp", None)), lambda i: values[i])
+assert not x.is_fully_addressable and not x.is_fully_replicated
+local = host_copy(x)  # on this process's devices, not a numpy copy
+assert isinstance(local, jax.Array) and local.is_fully_addressable, type(local)
+assert {d.process_index for d in local.devices()} == {process} and len(local.devices()) == 2
+np.testing.assert_array_equal(np.asarray(local), values)
+params = to_local({"w": x}, NamedSharding(rollout_mesh(2), P()))
+assert params["w"].is_fully_replicated and len(params["w"].devices()) == 2
+np.testing.assert_array_equal(np.asarray(params["w"]), values)
+# The checksum covers both of this host's shards: it equals the whole array's.
+assert float(params_checksum({"w": x})) == float(params_checksum({"w": jnp.asarray(values)}))
+# Split across the processes, a host-local copy would need a gather: refused, not half filled.
+y = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("data", None)), lambda i: values[i])
+try:
+    host_copy(y)
+except ValueError:
+    pass
+else:
+    raise AssertionError("a leaf split across processes was copied")
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_host_local_params_of_an_fsdp_run_stay_on_its_devices():
+    from locojax.launch import free_port
+
+    port = str(free_port())
+    processes = [subprocess.Popen([sys.executable, "-c", HOST_LOCAL_PROBE, str(index), port], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for index in (0, 1)]
+    outputs = [process.communicate(timeout=240)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], "\n".join(outputs)[-4000:]
+
+
+@pytest.mark.multiprocess
+def test_two_hosts_with_fsdp_equal_one_host_with_the_same_mesh(tmp_path):
+    # Placement fsdp 2 on two hosts: each host's rollout reads its params, sharded over its own devices.
+    two_hosts = write_spec(tmp_path, {**tiny_spec(tmp_path, "two-hosts", placement={"fsdp": 2, "devices_per_host": 2}),
+                                      "debug": {"checksum_every": 1}})
+    one_host = write_spec(tmp_path, tiny_spec(tmp_path, "one-host", placement={"fsdp": 2, "devices_per_host": 4}))
+    done = locojax("launch", str(two_hosts), "--hosts", "2", "--devices-per-host", "2", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = locojax("launch", str(one_host), "--hosts", "1", "--devices-per-host", "4", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_trees_close(checkpoint_params(tmp_path / "two-hosts", 3), checkpoint_params(tmp_path / "one-host", 3),
+                       atol=1e-5)
+    rows = m.read_jsonl(tmp_path / "two-hosts" / "metrics.jsonl")
+    for step in range(3):
+        sums = {r["host"]: r["params/checksum"] for r in rows if r["step"] == step and r["host"] != "all"}
+        assert set(sums) == {0, 1} and sums[0] == sums[1]
+
+
+@pytest.mark.multiprocess
+def test_a_cancelled_local_multi_host_run_exits_with_the_cancelled_code(tmp_path):
+    from locojax.contract import EXIT_CANCELLED, read_result
+
+    cancel = tmp_path / "cancel"
+    cancel.touch()  # already there: the hosts agree to stop after step 0
+    path = write_spec(tmp_path, tiny_spec(tmp_path, "cancelled", placement={"hosts": 2}))
+    done = locojax("train", str(path), "--quiet", "--cancel-file", str(cancel))
+    assert done.returncode == EXIT_CANCELLED, done.stderr[-3000:]  # not a "host failed" launch error
+    result = read_result(tmp_path / "cancelled")
+    assert (result.status, result.steps_done) == ("cancelled", 1)
+
+
 @pytest.mark.multiprocess
 def test_resume_after_kill_equals_straight_run(tmp_path):
     straight = write_spec(tmp_path, tiny_spec(tmp_path, "straight", steps=6))

@@ -20,7 +20,7 @@ import pytest
 from locojax import metrics as m
 from locojax.checkpoint import load_params
 from locojax.modes.common import load_policy
-from locojax.sft import reference_batch
+from locojax.modes.sft import reference_batch
 from locojax.spec import parse_spec
 from locojax.tasks import global_batch, make_task
 from locojax.train import make_logprobs_fn

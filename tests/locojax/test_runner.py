@@ -116,6 +116,29 @@ def test_the_checksum_is_one_device_scalar_that_tells_params_apart():
     assert np.asarray(first).item() == float(first)  # a uint32 is exact as a float
 
 
+def test_the_checksum_covers_every_shard_of_a_leaf_sharded_over_the_hosts_devices():
+    # The 4 CPU devices tests/locojax/conftest.py gives this process, as FSDP 2 x tensor 2.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+    sharded = NamedSharding(mesh, PartitionSpec("fsdp", "tensor"))
+    values = {"w": jnp.arange(32, dtype=jnp.float32).reshape(4, 8), "b": jnp.ones((8,), jnp.bfloat16)}
+    params = {"w": jax.device_put(values["w"], sharded),
+              "b": jax.device_put(values["b"], NamedSharding(mesh, PartitionSpec("tensor")))}
+    assert len({shard.device for shard in params["w"].addressable_shards}) == 4
+    checksum = params_checksum(params)
+    assert isinstance(checksum, jax.Array) and checksum.shape == () and checksum.dtype == jnp.uint32
+    # A change in the second shard only (row 0, columns 4..7 live on the (fsdp 0, tensor 1) device).
+    second = next(shard for shard in params["w"].addressable_shards if shard.index[1].start == 4
+                  and not shard.index[0].start)
+    assert second.device != params["w"].addressable_shards[0].device
+    nudged = {**params, "w": jax.device_put(values["w"].at[0, 5].add(1.0), sharded)}
+    assert float(params_checksum(nudged)) != float(checksum)
+    # The same values replicated, or on one device, give the same checksum: it depends on values only.
+    replicated = jax.device_put(values, NamedSharding(mesh, PartitionSpec()))
+    assert float(params_checksum(replicated)) == float(checksum) == float(params_checksum(values))
+
+
 def test_the_checksum_is_due_only_when_the_spec_asks():
     default = parse_spec({})
     every_two = parse_spec({"debug": {"checksum_every": 2}})

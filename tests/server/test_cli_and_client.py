@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from locojax import client as client_module
 from locojax.client import ApiClient, ApiClientError
+from locojax.contract import EXIT_UNREACHABLE
 from server import cli as server_cli
 from server.app import create_app
 from server.services import tokens as token_service
@@ -147,7 +148,7 @@ def test_client_errors_and_exit_codes(live_server, tmp_path):
     no_token = runner.invoke(_app(), ["runs", "ls"], env={"LOCOJAX_URL": url, "LOCOJAX_TOKEN": ""})
     assert no_token.exit_code == 2
     unreachable = runner.invoke(_app(), ["runs", "ls", "--url", f"http://127.0.0.1:{_free_port()}"], env=env)
-    assert unreachable.exit_code == 3
+    assert unreachable.exit_code == EXIT_UNREACHABLE == 4  # not EXIT_CANCELLED's 3
     with ApiClient(url, "lcj_wrong") as client, pytest.raises(ApiClientError) as raised:
         client.get_run(1)
     assert (raised.value.status, raised.value.code) == (401, "AUTH_INVALID")
