@@ -81,7 +81,7 @@ def populate(database_url: str, work: Path) -> tuple[int, str, dict]:
                 model="qwen3-0.6b", hardware="tpu-v5e", chips=8, workload="gsm8k"), created_by="bench")
             spec = parse_spec({"name": "dashboard-bench", "steps": steps,
                                "placement": {"mode": "co", "hosts": 2, "decision_id": decision.id}})
-            run, _ = run_service.create(session, spec, settings, created_by="bench")
+            run, _ = run_service.create(session, spec, settings, created_by="bench", owner_token_id=None)
             run_id = run.id
         with db.write_session() as session:
             for to in (RunStatus.STARTING, RunStatus.RUNNING):

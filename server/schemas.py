@@ -283,7 +283,8 @@ class HostRegister(_In):
 
 
 class HostHeartbeat(_In):
-    info: dict[str, Any] | None = Field(None, description="replaces the stored info when given (at most 16 KiB)")
+    info: dict[str, Any] | None = Field(None, description="replaces the stored info when given (at most 16 KiB); "
+                                                       "its `instance`, if any, must be the registered worker's")
 
     _info_size = field_validator("info")(_bounded_info)
 
@@ -301,7 +302,7 @@ class HostPublic(BaseModel):
     last_heartbeat: datetime
     registered_at: datetime
     reserved_by_run_id: int | None
-    info: dict[str, Any]
+    info: dict[str, Any] = Field(description="what the worker reported, less its private `instance` nonce")
 
 
 class HostsPublic(BaseModel):

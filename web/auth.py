@@ -37,7 +37,8 @@ from starlette.responses import Response
 
 from server.api.deps import SessionDep
 from server.errors import ApiError, ForbiddenError
-from server.models import ApiToken
+from server.models import ApiToken, Run
+from server.services import authorization
 from server.services import tokens as token_service
 from server.services import web_sessions as web_session_service
 from server.settings import Settings
@@ -77,9 +78,13 @@ class Viewer:
     def can_submit(self) -> bool:
         return bool(self.scopes & {"submit", "admin"})
 
-    def may_act_on(self, run: Any) -> bool:
-        """Cancel, resume or delete `run`: its submitter or an admin (the API's rule, issue 17)."""
-        return "admin" in self.scopes or (self.can_submit and run.owner_token_id == self.token_id)
+    def may_act_on(self, run: Run) -> bool:
+        """Cancel or resume `run`: the submit scope, then the API's ownership rule (issue 17)."""
+        return self.can_submit and authorization.may_act_on_run(self.scopes, self.token_id, run)
+
+    def check_may_act_on(self, run: Run, action: str) -> None:
+        """403 RUN_NOT_OWNED, with the API's message and code, unless this viewer may `action` `run`."""
+        authorization.check_may_act_on_run(self.scopes, self.token_id, run, action)
 
 
 # --- the signing key --------------------------------------------------------------------------------

@@ -250,6 +250,19 @@ class OutputRelay:
         return True
 
 
+def check_write_paths(spec: Mapping[str, Any]) -> str | None:
+    """The host's own check of where the stored spec would have the engine write, besides the run
+    directory the host checks itself: the engine writes checkpoints to `spec.checkpoint.dir` when it is
+    set, anywhere. The API refuses every spec that sets it (PATH_NOT_ALLOWED), so a stored spec that does
+    was not submitted through it (a forged row); refused the same way. Returns why, or None."""
+    checkpoint = spec.get("checkpoint")
+    directory = checkpoint.get("dir") if isinstance(checkpoint, Mapping) else None
+    if directory is not None:
+        return (f"spec.checkpoint.dir is set ({str(directory)[:200]!r}); this host writes checkpoints only to the "
+                f"run directory's {CHECKPOINTS_DIR}/, and the API never accepts a spec that sets it")
+    return None
+
+
 class HostSupervisor:
     def __init__(self, context: WorkerContext, *, run_id: int, attempt: int, process_index: int,
                  num_processes: int, role: str, resume: bool, output_dir: str, secret: str = ""):
@@ -293,7 +306,7 @@ class HostSupervisor:
                      if row["process_index"] == self.index), None)
         if mine is None or mine["host_name"] != self.ctx.host_name or mine["pid"] is not None:
             return "duplicate"  # a resent message for a process that is already started (or not ours)
-        refusal = self.check_run_directory(run)
+        refusal = self.check_run_directory(run) or check_write_paths(run["spec"])
         if refusal is not None:
             self.report(HostProcessStatus.FAILED, final=True, reason=refusal, exit_code=None, ended_at=now_utc().isoformat())
             return "refused"

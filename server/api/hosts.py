@@ -25,10 +25,11 @@ def register_host(body: HostRegister, session: SessionDep, settings: SettingsDep
     return host_service.to_public(host_service.register(session, body), settings)
 
 
-@router.post("/{name}/heartbeat", response_model=HostPublic, responses=errors(404))
+@router.post("/{name}/heartbeat", response_model=HostPublic, responses=errors(404, 409))
 def heartbeat(name: HostNamePath, session: SessionDep, settings: SettingsDep, token: WorkerToken,
               body: HostHeartbeat | None = None) -> HostPublic:
-    """404 for an unknown host: the worker registers again (e.g. after the database was reset)."""
+    """404 for an unknown host: the worker registers again (e.g. after the database was reset). 409
+    HOST_IN_USE for an `info.instance` other than the registered worker's."""
     authorization.check_host(token, name)
     return host_service.to_public(host_service.heartbeat(session, name, body.info if body else None), settings)
 

@@ -33,9 +33,11 @@ def ingest_metrics(run_id: RunId, body: MetricsBatch, request: Request, session:
                    settings: SettingsDep, token: WorkerToken) -> IngestResult:
     """Upsert a batch of per-step values, idempotent on (run, step, host, key). Validated as a whole
     first: one bad value rejects the batch and writes nothing. Only from a host with a process in the
-    run's current attempt (403); a stale attempt or a finished run is a 409."""
-    attempts.reporting_process(session, run_service.get(session, run_id), token, body.attempt, "metrics",
-                               body.host_name)
+    run's current attempt (403 HOST_NOT_PLACED), and only from its process 0, which writes every host's
+    rows (403 NOT_METRICS_PROCESS); a stale attempt or a finished run is a 409."""
+    run = run_service.get(session, run_id)
+    process = attempts.reporting_process(session, run, token, body.attempt, "metrics", body.host_name)
+    attempts.check_metrics_process(run, process)
     written = metric_service.ingest(session, run_id, body, max_values=settings.metrics_batch_max_values,
                                      max_keys=settings.metric_keys_per_run_max)
     request.app.state.prometheus.metric_values.inc(written)

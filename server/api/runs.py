@@ -131,8 +131,9 @@ def report_transition(run_id: RunId, body: RunTransition, session: SessionDep, t
 @router.post("/{run_id}/checkpoints", response_model=RunPublic, responses=errors(404, 409))
 def report_checkpoint(run_id: RunId, body: CheckpointReport, session: SessionDep, token: WorkerToken) -> RunPublic:
     """Record a saved checkpoint of the current attempt; `last_checkpoint_step` only moves forward."""
-    attempts.reporting_process(session, run_service.get(session, run_id), token, body.attempt, "checkpoint",
-                               body.host_name)
+    run = run_service.get(session, run_id)
+    process = attempts.reporting_process(session, run, token, body.attempt, "checkpoint", body.host_name)
+    attempts.check_metrics_process(run, process, "checkpoint")
     return RunPublic.model_validate(run_service.report_checkpoint(session, run_id, body.step, source=source_name(token)))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from locojax.contract import METRICS_PROCESS_INDEX
 from server.errors import ConflictError, ForbiddenError
 from server.models import ENDED_PROCESS_STATES, ApiToken, HostProcessStatus, Run, RunHost, RunStatus
 from server.services import authorization
@@ -43,7 +44,8 @@ def placed_processes(session: Session, run: Run, token: ApiToken, attempt: int) 
 def reporting_process(session: Session, run: Run, token: ApiToken, attempt: int, what: str,
                       host_name: str | None = None) -> RunHost | None:
     """Check that `token` reports `what` for a current-attempt process of `run` (on `host_name`, when
-    given); returns that process row (None for an admin speaking for no host). 409 or 403 otherwise."""
+    given); returns that process row, the lowest-indexed one the token may speak for (None for an admin
+    speaking for no host). 409 or 403 otherwise."""
     check_current(run, attempt, what)
     if host_name is not None:
         authorization.check_host(token, host_name)
@@ -56,6 +58,21 @@ def reporting_process(session: Session, run: Run, token: ApiToken, attempt: int,
     raise ForbiddenError(f"{what}: run {run.id} attempt {attempt} has no process on "
                          f"{host_name or 'a host this token is bound to'}", code="HOST_NOT_PLACED",
                          details={"run_id": run.id, "attempt": attempt, "host": host_name or token.hosts})
+
+
+def check_metrics_process(run: Run, process: RunHost | None, what: str = "metrics") -> None:
+    """403 NOT_METRICS_PROCESS unless the report comes from the process that writes metrics.jsonl (every
+    host's rows and the aggregate) and reports the run's checkpoints: another host of the run has
+    neither to relay, so a report from it, for any host index or step, would be forged. An admin
+    speaking for no host (`process` None) may."""
+    if process is None or process.process_index == METRICS_PROCESS_INDEX:
+        return
+    raise ForbiddenError(f"{what}: only process {METRICS_PROCESS_INDEX} of run {run.id} (the one that writes "
+                         f"metrics.jsonl and reports checkpoints) reports {what}; host {process.host_name} runs "
+                         f"process {process.process_index}", code="NOT_METRICS_PROCESS",
+                         details={"run_id": run.id, "attempt": process.attempt, "host": process.host_name,
+                                  "process_index": process.process_index,
+                                  "metrics_process_index": METRICS_PROCESS_INDEX})
 
 
 def check_process_report(session: Session, run: Run, token: ApiToken, process_index: int, attempt: int,

@@ -2,6 +2,10 @@
 
 The stored status is ONLINE or LOST (the reconciler marks LOST); what clients see adds STALE: a host
 that missed heartbeats for `host_stale_s` but not yet `host_lost_s`. Any heartbeat brings a host back.
+
+A worker names its process in `info["instance"]`, a random nonce new at every start. It is what tells a
+restarted worker from the live one (and either from an impersonator holding a token for the same hosts),
+so it is known only to that worker and the server: no reader is shown it, and only a registration sets it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from server.services import lifecycle
 from server.settings import Settings
 
 
+INSTANCE = "instance"  # the key of the worker's nonce in a host's `info`
+
+
 def liveness(host: Host, settings: Settings, now: datetime) -> tuple[str, float]:
     age = max(0.0, (now - host.last_heartbeat).total_seconds())
     if host.status == HostRecordStatus.LOST or age >= settings.host_lost_s:
@@ -31,7 +38,9 @@ def to_public(host: Host, settings: Settings, now: datetime | None = None) -> Ho
     return HostPublic(
         name=host.name, slice=host.slice, device_kind=host.device_kind, device_count=host.device_count,
         status=status, heartbeat_age_s=round(age, 3), last_heartbeat=host.last_heartbeat,
-        registered_at=host.registered_at, reserved_by_run_id=host.reserved_by_run_id, info=host.info,
+        registered_at=host.registered_at, reserved_by_run_id=host.reserved_by_run_id,
+        # Shown, the nonce would let any reader re-register as the live worker (check_takeover).
+        info={key: value for key, value in (host.info or {}).items() if key != INSTANCE},
     )
 
 
@@ -43,7 +52,7 @@ def check_takeover(session: Session, report: HostRegister, settings: Settings, n
     previous = session.scalar(select(Host).where(Host.name == report.name))
     if previous is None:
         return
-    old, new = (previous.info or {}).get("instance"), report.info.get("instance")
+    old, new = (previous.info or {}).get(INSTANCE), report.info.get(INSTANCE)
     if old is None or old == new:
         return
     status, age = liveness(previous, settings, now or utcnow())
@@ -65,8 +74,8 @@ def register(session: Session, report: HostRegister) -> Host:
     """
     now = utcnow()
     previous = session.scalar(select(Host).where(Host.name == report.name))
-    instance = report.info.get("instance")
-    if previous is not None and instance is not None and (previous.info or {}).get("instance") not in (None, instance):
+    instance = report.info.get(INSTANCE)
+    if previous is not None and instance is not None and (previous.info or {}).get(INSTANCE) not in (None, instance):
         # Runs are locked before the host row, the order run transitions use.
         lifecycle.lose_processes_on(session, report.name, "its worker restarted", source="hosts",
                                     claimed_only=True, now=now)
@@ -90,11 +99,19 @@ def register(session: Session, report: HostRegister) -> Host:
 
 
 def heartbeat(session: Session, name: str, info: dict | None) -> Host:
+    """`info` replaces the stored info, but never the worker's instance: a heartbeat naming another
+    instance than the registered one is a 409 HOST_IN_USE (else any holder of a token for this host could
+    rename the live worker with a heartbeat and then register as it). A new worker registers instead."""
     host = get(session, name)
+    if info is not None:
+        registered = (host.info or {}).get(INSTANCE)
+        if INSTANCE in info and info[INSTANCE] != registered:
+            raise ConflictError(f"info.instance: host {name} is registered by another worker instance; a heartbeat "
+                                "cannot change it (a new worker registers the host)", code="HOST_IN_USE",
+                                details={"host": name, "field": "info.instance"})
+        host.info = {**info, INSTANCE: registered} if registered is not None else info
     host.last_heartbeat = utcnow()
     host.status = HostRecordStatus.ONLINE
-    if info is not None:
-        host.info = info
     session.commit()
     return host
 

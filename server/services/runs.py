@@ -25,7 +25,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from locojax.contract import TIME_STEP
+from locojax.contract import CONTROL_DIR, EXPORT_DIR, TIME_STEP
 from locojax.spec import RunSpec
 from server.errors import ConflictError, IllegalTransitionError, InvalidInputError, NotFoundError
 from server.models import (
@@ -153,12 +153,39 @@ def _inside(path: str, roots: list[Path]) -> bool:
     return False
 
 
+def _readable(settings: Settings) -> str:
+    """Where a spec may read, for the messages: the data roots, and runs' exported models."""
+    return ", ".join([*(str(root) for root in settings.data_roots),
+                      str(Path(settings.runs_root) / "<id>-<name>" / EXPORT_DIR)])
+
+
+def _read_refusal(path: str, settings: Settings) -> str | None:
+    """Why a spec may not read `path` (absolute), or None. Under `runs_root` only a run's exported model
+    (`<runs_root>/<run dir>/model`, what a GRPO spec starts from after an SFT run) may be read: the rest of
+    another tenant's run directory (checkpoints, metrics, and `.control/` with its start specs and
+    attempt secrets) is not a spec's to read. That holds even where a data root contains `runs_root`."""
+    if "\x00" in path:
+        return f"path {path!r} contains a NUL byte"
+    real = os.path.realpath(path)
+    if CONTROL_DIR in Path(path).parts or CONTROL_DIR in Path(real).parts:
+        return f"path {path!r} goes through a {CONTROL_DIR} directory, the workers' own files, which no spec may read"
+    runs_real = os.path.realpath(settings.runs_root)
+    if os.path.commonpath([real, runs_real]) == runs_real:
+        inside_runs = Path(real).relative_to(runs_real).parts
+        if len(inside_runs) >= 2 and inside_runs[1] == EXPORT_DIR:
+            return None
+        return (f"path {path!r} is in runs_root but not in a run's exported model "
+                f"({Path(settings.runs_root) / '<id>-<name>' / EXPORT_DIR}), the only part of a run a spec may read")
+    if _inside(path, settings.data_roots):
+        return None
+    return f"path {path!r} is outside the allowed roots ({_readable(settings)})"
+
+
 def check_paths(spec: RunSpec, settings: Settings) -> None:
     """The server owns run directories: every run writes under `runs_root/<id>-<name>`, so a spec may not
     choose `output_dir` or `checkpoint.dir` (two runs sharing a directory overwrite each other's model
     and metrics). Read paths must be absolute (a relative one would mean the API's directory here and
-    each host's there) and inside the data roots or `runs_root` (a finished run's exported model)."""
-    read_roots = [*settings.data_roots, settings.runs_root]
+    each host's there) and inside the data roots, or a run's exported model under `runs_root`."""
     errors = [{"field": field, "message": "the server chooses each run's directory (runs_root/<id>-<name>); "
                                           "leave it unset"}
               for field, value in (("spec.output_dir", spec.output_dir), ("spec.checkpoint.dir", spec.checkpoint.dir))
@@ -174,10 +201,9 @@ def check_paths(spec: RunSpec, settings: Settings) -> None:
             continue
         if not os.path.isabs(value):
             errors.append({"field": field, "message": f"path {value!r} is relative; give an absolute path under "
-                                                      f"{', '.join(str(root) for root in read_roots)}"})
-        elif not _inside(value, read_roots):
-            errors.append({"field": field, "message": f"path {value!r} is outside the allowed roots "
-                                                      f"({', '.join(str(root) for root in read_roots)})"})
+                                                      f"{_readable(settings)}"})
+        elif (refusal := _read_refusal(value, settings)) is not None:
+            errors.append({"field": field, "message": refusal})
     if errors:
         raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="PATH_NOT_ALLOWED",
                                 details=errors)
@@ -218,8 +244,10 @@ def _by_idempotency_key(session: Session, key: str, owner_token_id: int | None) 
 
 
 def create(session: Session, spec: RunSpec, settings: Settings, *, idempotency_key: str | None = None,
-           created_by: str | None = None, owner_token_id: int | None = None) -> tuple[Run, bool]:
-    """Store a new QUEUED run. Returns (run, created); created is False for an idempotent replay."""
+           created_by: str | None = None, owner_token_id: int | None) -> tuple[Run, bool]:
+    """Store a new QUEUED run. Returns (run, created); created is False for an idempotent replay.
+    `owner_token_id` has no default: every caller says who may cancel and resume the run (None: only
+    admins), since a forgotten owner locks its submitter out of its own run."""
     digest = spec.digest()
     if idempotency_key is not None:
         existing = _by_idempotency_key(session, idempotency_key, owner_token_id)

@@ -112,7 +112,46 @@ def test_a_live_host_is_not_taken_over_by_another_worker_instance(client, db, wo
             last_heartbeat=utcnow() - timedelta(seconds=backend.settings.host_stale_s + 1)))
         session.commit()
     taken = client.post("/api/v1/hosts", json={"name": "h-live", "info": {"instance": "b"}}, headers=worker)
-    assert taken.status_code == 200 and taken.json()["info"]["instance"] == "b"
+    assert taken.status_code == 200 and _registered_instance(db, "h-live") == "b"
+
+
+def _registered_instance(db, name: str) -> str | None:
+    with db.read_session() as session:
+        return (session.scalar(select(Host.info).where(Host.name == name)) or {}).get("instance")
+
+
+def test_no_reader_learns_a_live_workers_instance_to_pose_as_it(client, db, worker, submitter, admin):
+    """The takeover guard trusts the instance nonce: shown to readers, it let any holder of a token for
+    the host (a fleet token, vm*) copy it and register as the live worker."""
+    secret = "nonce-of-the-live-worker"
+    registered = client.post("/api/v1/hosts", json={"name": "h-live", "info": {"instance": secret, "cores": [0]}},
+                             headers=worker)
+    assert registered.status_code == 200
+    seen = [registered, client.get("/api/v1/hosts/h-live", headers=submitter),
+            client.get("/api/v1/hosts", headers=admin), client.post("/api/v1/hosts/h-live/heartbeat", headers=worker),
+            client.post("/api/v1/hosts/h-live/heartbeat", json={"info": {"load": 1}}, headers=worker)]
+    for response in seen:
+        assert response.status_code == 200 and secret not in response.text, response.request.url
+    assert registered.json()["info"] == {"cores": [0]}  # the rest of the info is still shown
+    assert _registered_instance(db, "h-live") == secret  # kept by the heartbeat that did not name it
+    intruder = client.post("/api/v1/hosts", json={"name": "h-live", "info": {"instance": "a-guess"}}, headers=worker)
+    assert_error(intruder, 409, "HOST_IN_USE")
+
+
+def test_a_heartbeat_cannot_rename_the_live_worker(client, db, worker):
+    """The other way round the guard: rename the live worker with a heartbeat, then register as the new name."""
+    assert client.post("/api/v1/hosts", json={"name": "h-live", "info": {"instance": "real"}},
+                       headers=worker).status_code == 200
+    error = assert_error(client.post("/api/v1/hosts/h-live/heartbeat", json={"info": {"instance": "evil"}},
+                                     headers=worker), 409, "HOST_IN_USE")
+    assert error["details"] == {"host": "h-live", "field": "info.instance"}
+    assert_error(client.post("/api/v1/hosts", json={"name": "h-live", "info": {"instance": "evil"}}, headers=worker),
+                 409, "HOST_IN_USE")
+    assert _registered_instance(db, "h-live") == "real"
+    # The live worker's own heartbeats go on: naming its instance, or none.
+    for body in ({"info": {"instance": "real", "load": 2}}, {"info": {"load": 3}}, None):
+        assert client.post("/api/v1/hosts/h-live/heartbeat", json=body, headers=worker).status_code == 200
+    assert _registered_instance(db, "h-live") == "real"
 
 
 def test_a_forged_process_row_is_refused_and_the_scheduler_keeps_starting_runs(client, db, worker, backend):
@@ -146,6 +185,38 @@ def test_workers_report_metrics_and_events_only_for_their_hosts_processes(client
                  "HOST_NOT_PLACED")
     assert_error(client.post(f"/api/v1/runs/{run_id}/metrics", json={**batch, "host_name": "x-other"},
                              headers=worker), 403, "HOST_NOT_BOUND")
+
+
+def test_only_the_process_that_writes_the_metrics_reports_them(client, db, worker, admin):
+    """Process 0 writes metrics.jsonl (every host's rows and the aggregate) and its host relays it, and the
+    run's checkpoints; another host of the run has none to relay, so its rows, for its own index, another's
+    or the aggregate, and its checkpoint reports are refused."""
+    run_id = insert_run(db, S.RUNNING)
+    _place(db, run_id, "x-zero", index=0)  # a host the h* token is not bound to
+    _place(db, run_id, "h-one", index=1)
+    for host_name in ("h-one", None):
+        for index in (1, 0, -1):
+            batch = {"rows": [{"step": 0, "host": index, "values": {"loss": 6.0}}], "attempt": 0,
+                     "host_name": host_name}
+            error = assert_error(client.post(f"/api/v1/runs/{run_id}/metrics", json=batch, headers=worker), 403,
+                                 "NOT_METRICS_PROCESS")
+            assert error["details"]["process_index"] == 1 and error["details"]["host"] == "h-one"
+    # Its events are its own to report.
+    events = {"events": [{"message": "from process 1", "seq": 1}], "attempt": 0, "host_name": "h-one"}
+    assert client.post(f"/api/v1/runs/{run_id}/events", json=events, headers=worker).json()["accepted"] == 1
+    assert client.get(f"/api/v1/runs/{run_id}/metrics/keys", headers=admin).json()["keys"] == []
+    # Process 0 also reports the run's checkpoints; a checkpoint from process 1 would be forged too.
+    checkpoint = {"step": 5, "attempt": 0, "host_name": "h-one"}
+    assert_error(client.post(f"/api/v1/runs/{run_id}/checkpoints", json=checkpoint, headers=worker), 403,
+                 "NOT_METRICS_PROCESS")
+    assert client.get(f"/api/v1/runs/{run_id}", headers=admin).json()["last_checkpoint_step"] is None
+    zero = _token(db, "zero-worker", ["worker"], hosts="x-zero")
+    batch = {"rows": [{"step": 0, "host": -1, "values": {"loss": 1.0}},
+                      {"step": 0, "host": 1, "values": {"loss": 2.0}}], "attempt": 0}
+    assert client.post(f"/api/v1/runs/{run_id}/metrics", json=batch, headers=zero).json()["values"] == 2
+    checkpoint = {"step": 5, "attempt": 0, "host_name": "x-zero"}
+    assert client.post(f"/api/v1/runs/{run_id}/checkpoints", json=checkpoint, headers=zero).json()[
+        "last_checkpoint_step"] == 5
 
 
 def test_the_server_names_each_events_source_and_time(client, db, worker, submitter):
@@ -226,3 +297,39 @@ def test_specs_cannot_choose_run_directories_or_read_outside_the_roots(client, d
     with db.read_session() as session:
         directory = scheduling.output_dir(session.get(Run, run["id"]), settings)
     assert directory == str(settings.runs_root / f"{run['id']}-placed") and os.path.isabs(directory)
+
+
+def test_a_spec_reads_only_a_runs_exported_model_under_runs_root(client, db, submitter, backend):
+    """The runs root is readable only for what it is there for: an SFT run's exported `model/`, which a GRPO
+    spec starts from. Not another tenant's checkpoints, metrics or `.control/` (start specs, attempt secrets)."""
+    settings = backend.settings
+    other = settings.runs_root / f"3-other-{os.urandom(3).hex()}"
+    for relative in ("model/config.json", "checkpoints/5/state", "metrics.jsonl", ".control/secret-attempt0-host0"):
+        (other / relative).parent.mkdir(parents=True, exist_ok=True)
+        (other / relative).write_text("x")
+    (other / "model" / "peek").symlink_to(other / ".control")  # a link out of the export, into .control
+    data_link = settings.data_roots[0] / f"runs-link-{os.urandom(3).hex()}"
+    data_link.symlink_to(other / "checkpoints")  # a data-root link into a run's directory
+    try:
+        refused = [
+            ({"model": {"checkpoint": str(other / "checkpoints" / "5")}}, "spec.model.checkpoint"),
+            ({"model": {"checkpoint": str(other)}}, "spec.model.checkpoint"),
+            ({"model": {"checkpoint": str(settings.runs_root)}}, "spec.model.checkpoint"),
+            ({"task": {"name": "gsm8k", "path": str(other / "metrics.jsonl")}}, "spec.task.path"),
+            ({"model": {"tokenizer": str(other / ".control" / "secret-attempt0-host0")}}, "spec.model.tokenizer"),
+            ({"model": {"tokenizer": str(other / "model" / ".." / ".control")}}, "spec.model.tokenizer"),
+            ({"model": {"tokenizer": str(other / "model" / "peek" / "secret-attempt0-host0")}}, "spec.model.tokenizer"),
+            ({"model": {"checkpoint": str(data_link / "5")}}, "spec.model.checkpoint"),
+        ]
+        for changes, field in refused:
+            error = assert_error(client.post("/api/v1/runs", json={"spec": {"name": "peek", **changes}},
+                                             headers=submitter), 422, "PATH_NOT_ALLOWED")
+            assert [item["field"] for item in error["details"]] == [field], changes
+        with db.read_session() as session:
+            assert session.scalar(select(Run.id)) is None
+        for model in ({"checkpoint": str(other / "model")},
+                      {"checkpoint": str(other / "model"), "tokenizer": str(other / "model" / "config.json")}):
+            assert client.post("/api/v1/runs", json={"spec": {"name": "from-sft", "model": model}},
+                               headers=submitter).status_code == 201, model
+    finally:
+        data_link.unlink()

@@ -362,7 +362,9 @@ def test_worker_drives_a_run_to_success(client, submitter, worker, admin):
     (S.QUEUED, S.RUNNING), (S.QUEUED, S.SUCCEEDED), (S.RUNNING, S.QUEUED), (S.SUCCEEDED, S.RUNNING),
     (S.FAILED, S.QUEUED), (S.CANCELLED, S.RUNNING), (S.CANCELLING, S.RUNNING), (S.RECOVERING, S.SUCCEEDED),
 ])
-def test_worker_illegal_transitions_are_409_and_not_written(client, db, worker, state, target, admin):
+def test_illegal_transitions_by_an_admin_are_409_and_not_written(client, db, state, target, admin):
+    """`/transitions` is admin-only (workers report process rows instead); even an admin cannot make an
+    illegal move."""
     run_id = insert_run(db, state)
     error = assert_error(client.post(f"/api/v1/runs/{run_id}/transitions", json={"to": target.value}, headers=admin),
                          409, "ILLEGAL_TRANSITION")
@@ -371,7 +373,7 @@ def test_worker_illegal_transitions_are_409_and_not_written(client, db, worker, 
         assert session.get(Run, run_id).status == state
 
 
-def test_worker_transition_with_a_stale_expectation_is_409(client, db, worker, admin):
+def test_an_admin_transition_with_a_stale_expectation_is_409(client, db, admin):
     run_id = insert_run(db, S.CANCELLING)
     body = {"to": "FAILED", "expected": "RUNNING"}
     assert_error(client.post(f"/api/v1/runs/{run_id}/transitions", json=body, headers=admin), 409, "RUN_STATE_CHANGED")

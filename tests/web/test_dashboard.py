@@ -200,6 +200,28 @@ def test_a_read_only_token_can_read_but_not_change(reader: Browsing):
         assert session.get(Run, run_id).status == S.RUNNING
 
 
+
+def test_a_read_only_token_is_offered_nothing_the_server_would_refuse(submitter: Browsing, reader: Browsing):
+    """Issue 17: a worker-scope token that logged in sees no New run, Submit, Recommend, Rank placements
+    or "submit with this placement"; the server still refuses the posts (403)."""
+    ranked = submitter.post("/placement", {"model": "qwen3-0.6b", "hardware": "tpu-v5e", "chips": "8",
+                                           "workload": "gsm8k"})
+    explorer = ranked.headers["location"]
+    offered = {"/runs": ['href="/runs/new"'], "/runs/new": ['id="submit-run"', 'id="ask-recommender"'],
+               explorer: ['id="rank-placements"', "submit with this placement"]}
+    for path, controls in offered.items():
+        as_submitter, as_reader = submitter.client.get(path).text, reader.client.get(path).text
+        for control in controls:
+            assert control in as_submitter, (path, control)  # the markers are real: a submitter gets them
+            assert control not in as_reader, (path, control)
+    assert 'id="submit-needs-scope"' in reader.client.get("/runs/new").text
+    assert 'id="rank-needs-scope"' in reader.client.get(explorer).text
+    for path, form in [("/runs/new", {"name": "sneaky"}), ("/runs/new/recommend", {"preset": "tiny"}),
+                       ("/placement", {"model": "qwen3-0.6b", "hardware": "tpu-v5e", "chips": "8"})]:
+        assert reader.post(path, form).status_code == 403, path
+    assert _run_count(reader.site) == 0
+
+
 # --- new-run form -----------------------------------------------------------------------------------
 
 def test_the_form_shows_the_spec_defaults_and_takes_query_prefills(submitter: Browsing):
@@ -433,6 +455,36 @@ def test_buttons_are_hidden_on_another_tokens_run_and_the_server_refuses_anyway(
     assert submitter.post(f"/runs/{failed}/resume").status_code == 403
     with submitter.site.db.read_session() as session:
         assert (session.get(Run, others).status, session.get(Run, failed).status) == (S.RUNNING, S.FAILED)
+
+
+
+def test_a_run_submitted_through_the_form_is_its_submitters_to_cancel(submitter: Browsing):
+    """Issue 17: the form stores the run with its submitter as the owner (it was stored with none, and
+    only an admin could cancel it); another submit token reads it but may not cancel it."""
+    site = submitter.site
+    response = submitter.post("/runs/new", {"name": "from-the-form", "steps": "3"})
+    assert response.status_code == 303
+    run_id = int(response.headers["location"].rsplit("/", 1)[1])
+    with site.db.write_session() as session:
+        owner = session.scalar(select(ApiToken.id).where(ApiToken.name == "web-submit"))
+        _, other_secret = token_service.create(session, name=f"web-other-{run_id}", scopes=["submit"])
+    with site.db.read_session() as session:
+        assert session.get(Run, run_id).owner_token_id == owner
+    other_client = site.client()
+    other = Browsing(other_client, login(other_client, other_secret), site)
+    page = other.client.get(f"/runs/{run_id}").text
+    assert ">QUEUED<" in page and 'id="cancel-run"' not in page
+    assert other.post(f"/runs/{run_id}/cancel").status_code == 403
+    # One rule (services.authorization): the dashboard says what the API says, code and message.
+    api = other.client.post(f"/api/v1/runs/{run_id}/cancel", headers={"Authorization": f"Bearer {other_secret}"})
+    assert (api.status_code, api.json()["error"]["code"]) == (403, "RUN_NOT_OWNED")
+    refused = other.post(f"/runs/{run_id}/cancel", headers={"HX-Request": "true"})
+    assert api.json()["error"]["message"] in unescape(refused.text)
+    assert 'id="cancel-run"' in submitter.client.get(f"/runs/{run_id}").text
+    cancelled = submitter.post(f"/runs/{run_id}/cancel")
+    assert (cancelled.status_code, cancelled.headers["location"]) == (303, f"/runs/{run_id}")
+    with site.db.read_session() as session:
+        assert session.get(Run, run_id).status == S.CANCELLED
 
 
 # --- runs list, explorer, compare, hosts ------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from worker.supervisor import HostSupervisor, WorkerContext
 
 
@@ -61,3 +63,53 @@ def test_the_run_marker_is_never_seen_half_written(tmp_path: Path):
         reader.join()
     assert seen == {"7"}
     assert sorted(p.name for p in (out / ".control").iterdir()) == ["run-id"]  # no temporary left behind
+
+
+class _StoredRun:
+    """The API as a host sees it, for one STARTING run whose stored spec the test chooses."""
+
+    def __init__(self, spec: dict):
+        self.spec, self.reports = spec, []
+
+    def get_run(self, run_id: int) -> dict:
+        return {"id": run_id, "name": "mine", "status": "STARTING", "attempt": 0, "spec": self.spec}
+
+    def list_run_hosts(self, run_id: int, attempt: int) -> list[dict]:
+        return [{"process_index": 0, "host_name": "h0", "pid": None, "address": None}]
+
+    def report_host_process(self, run_id: int, index: int, **body) -> dict:
+        self.reports.append(body)
+        return body
+
+
+def test_a_stored_spec_naming_a_checkpoint_directory_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                                         monkeypatch):
+    """The API refuses `checkpoint.dir` (PATH_NOT_ALLOWED); a spec forged in the database that sets it
+    would have the engine write checkpoints wherever it names, so the host refuses it too."""
+    import subprocess
+
+    class EngineStarted(Exception):
+        pass
+
+    def no_engine(*args, **kwargs):
+        raise EngineStarted
+
+    monkeypatch.setattr(subprocess, "Popen", no_engine)
+    elsewhere = tmp_path / "elsewhere"
+    out = tmp_path / "runs" / "7-mine"
+    for directory in (str(elsewhere), str(out / "checkpoints")):  # even its own run directory: the API's rule
+        api = _StoredRun({"name": "mine", "steps": 2, "checkpoint": {"dir": directory, "every": 1}})
+        context = WorkerContext(host_name="h0", api=api, runs_root=tmp_path / "runs")  # type: ignore[arg-type]
+        supervisor = HostSupervisor(context, run_id=7, attempt=0, process_index=0, num_processes=1, role="co",
+                                    resume=False, output_dir=str(out))
+        assert supervisor.run() == "refused"
+        [report] = api.reports
+        assert report["status"] == "FAILED" and "spec.checkpoint.dir" in report["reason"]
+        assert not elsewhere.exists() and not out.exists()  # no marker, start spec or secret written
+    # The same stored spec without it gets past the check (to the engine, stubbed out here).
+    api = _StoredRun({"name": "mine", "steps": 2})
+    context = WorkerContext(host_name="h0", api=api, runs_root=tmp_path / "runs")  # type: ignore[arg-type]
+    supervisor = HostSupervisor(context, run_id=7, attempt=0, process_index=0, num_processes=1, role="co",
+                                resume=False, output_dir=str(out))
+    with pytest.raises(EngineStarted):
+        supervisor.run()

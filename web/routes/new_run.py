@@ -46,7 +46,8 @@ def _submit(request: Request, form: forms.RunForm, session: Session, settings: S
     if spec is None:
         return _show(request, form, 422)
     try:
-        run, _ = run_service.create(session, spec, settings, created_by=viewer.name)
+        run, _ = run_service.create(session, spec, settings, created_by=viewer.name,
+                                    owner_token_id=viewer.token_id)
     except InvalidInputError as exc:  # paths outside the allowed roots, an unknown decision id
         session.rollback()
         form.place_service_errors(exc.details, exc.message)

@@ -15,7 +15,7 @@ from starlette.responses import RedirectResponse, Response
 
 from server.api.deps import DbDep, RunId, SessionDep, SettingsDep
 from server.db import Database
-from server.errors import ApiError, ForbiddenError
+from server.errors import ApiError
 from server.models import RunStatus
 from server.services import dashboard as dashboard_service
 from server.services import events as event_service
@@ -179,9 +179,7 @@ def _run_action(request: Request, session: Any, run_id: int, action: Callable[..
     the header it re-renders."""
     try:
         run = run_service.get(session, run_id)
-        if not viewer.may_act_on(run):
-            raise ForbiddenError(f"run {run_id} was submitted by another token; only it or an admin may {what} it",
-                                 code="RUN_NOT_OWNED", details={"run_id": run_id, "action": what})
+        viewer.check_may_act_on(run, what)
         action(session, run_id, by=viewer.name)
     except ApiError as exc:
         session.rollback()
