@@ -17,8 +17,23 @@ Figures: steady `step_s` (median of steps after the first, which compiles), `rol
 `peak_rss_gib` vs `planned_gib`, `decode_vs_roofline` = decode tokens/s / (bandwidth x batch / bytes
 read per decode step), `train_vs_matmul_peak` = the train phase's model FLOP/s / measured matmul peak.
 
-    .venv/bin/python bench/scale.py                    # 1 round, 3 steps
-    .venv/bin/python bench/scale.py --rounds 2 --no-rest
+The peer (on by default; `--no-peer` skips it): after LoCoJAX's runs, never beside them (memory), and
+once scale.json holds their figures, Tunix's `GRPOLearner` (bench/peers/tunix_grpo_step.py, in the venv
+bench/grpo_step.py installs) on the same RunSpec: a Qwen3 of the preset's exact dimensions, random
+weights, the prompts `run_co` draws from the same JSONL, the same `tokenizer.json` and special ids,
+kl_coef 0 (so no reference model), remat per decoder layer in training, the spec's lr, AdamW betas,
+clipping and loss aggregation, temperature 1. Its steady step is the median of its step periods after
+the first; the harness cannot time its last step, so it runs --steps + 1 steps to have as many as
+LoCoJAX. `ratio_vs_peer` = peer step / LoCoJAX `step_s` (>1: LoCoJAX faster), given only when both
+sides decoded rows x new tokens completion slots per step over the same prompt buffer
+(`peer.identical_work`). The peer runs in a subprocess under --peer-timeout; a failure (OOM kill,
+MemoryError, XLA out of memory, timeout) leaves `ratio_vs_peer` null and `peer` = {"ran": false,
+"reason": exit status or signal, the kernel's OOM-kill count, stderr's last lines, peak RSS, MemTotal},
+with the memory estimate and MemAvailable recorded before it started either way.
+
+    .venv/bin/python bench/scale.py                    # 1 round, 3 steps, then the peer
+    .venv/bin/python bench/scale.py --rounds 2 --no-rest --no-peer
+    .venv/bin/python bench/scale.py --peer-only --work DIR   # the peer alone, on DIR's inputs, into --out
 """
 
 from __future__ import annotations
@@ -81,17 +96,38 @@ def build_tokenizer(texts: list[str], path: Path, vocab_size: int = 2048) -> Non
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
 
 
-def build_inputs(work: Path, seed: int) -> dict[str, Path]:
-    """The HF directory, tokenizer and JSONL, built in a child process so this one stays small."""
-    paths = {"model": work / "qwen3-0.6b-random", "data": work / "gsm8k.jsonl"}
-    paths["tokenizer"] = paths["model"] / "tokenizer.json"
+def input_paths(work: Path, preset: str) -> dict[str, Path]:
+    """Where a work directory holds the HF directory, its tokenizer and the JSONL."""
+    model = work / f"{preset}-random"
+    return {"model": model, "tokenizer": model / "tokenizer.json", "data": work / "gsm8k.jsonl"}
+
+
+def build_inputs(work: Path, seed: int, preset: str, weights: bool = True) -> dict[str, Path]:
+    """The HF directory (weights built in a child process so this one stays small), its tokenizer and
+    the JSONL. Without `weights`, only the JSONL and tokenizer: all the peer reads (it builds its own
+    random model). Both are deterministic in `seed` (`inputs_sha256` in scale.json checks it)."""
+    from locojax.model import get_preset
+
+    paths = input_paths(work, preset)
     records = gsm8k_records(64, seed)
     paths["data"].write_text("".join(json.dumps(r) + "\n" for r in records))
-    code = (f"from locojax.model import create_model, get_preset\nfrom locojax.model.hf import save_hf_checkpoint\n"
-            f"save_hf_checkpoint(create_model(get_preset('qwen3-0.6b'), seed={seed}), {str(paths['model'])!r})\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=_env())
-    build_tokenizer([r["question"] + "\n" + r["answer"] for r in records], paths["tokenizer"])
+    if weights:
+        code = (f"from locojax.model import create_model, get_preset\n"
+                f"from locojax.model.hf import save_hf_checkpoint\n"
+                f"save_hf_checkpoint(create_model(get_preset({preset!r}), seed={seed}), {str(paths['model'])!r})\n")
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=_env())
+    paths["model"].mkdir(parents=True, exist_ok=True)
+    # The tokenizer's ids must fit the model's vocabulary (the dev presets have 384 ids).
+    build_tokenizer([r["question"] + "\n" + r["answer"] for r in records], paths["tokenizer"],
+                    vocab_size=min(2048, get_preset(preset).vocab_size))
     return paths
+
+
+def input_digests(paths: dict[str, Path]) -> dict[str, str]:
+    """sha256 of the files both engines read: the JSONL and the tokenizer."""
+    import hashlib
+
+    return {name: hashlib.sha256(paths[name].read_bytes()).hexdigest() for name in ("data", "tokenizer")}
 
 
 def make_spec(paths: dict[str, Path], args, name: str, output_dir: Path | None) -> dict:
@@ -137,25 +173,25 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
             "rollout_s": median("time/rollout"),
             "train_s": median("time/train"), "rollout_tokens_per_s": median("throughput/rollout_tokens_per_s"),
             "first_step_s": float(by_step[min(by_step)]["time/step"]) if by_step else None,
-            "per_step_s": [float(by_step[s]["time/step"]) for s in sorted(by_step)]}
+            "per_step_s": [float(by_step[s]["time/step"]) for s in sorted(by_step)],
+            "completion_len_max": [by_step[s].get("completion/len_max") for s in sorted(by_step)]}
 
 
 def run_cli(paths, args, work: Path, round_index: int) -> dict:
     out = work / f"cli-{round_index}"
     spec_path = work / f"cli-{round_index}.json"
     spec_path.write_text(json.dumps(make_spec(paths, args, f"scale-cli-{round_index}", out)))
-    log = work / f"cli-{round_index}.log"
-    started = time.monotonic()
-    with log.open("w") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "locojax.cli", "train", str(spec_path)], cwd=work,
-                                   env=_env(), stdout=sink, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
-    text = log.read_text()
-    if status != 0:
-        raise RuntimeError(f"locojax train failed (status {status}):\n{text[-3000:]}")
+    logs = work / f"cli-{round_index}-logs"
+    logs.mkdir(exist_ok=True)
+    # Peak RSS sampled from the child's VmHWM (`run_process`): wait4's ru_maxrss would carry this
+    # process's own high-water mark (it timed the decode kernel on the loaded 0.6B model) into the child's.
+    done = run_process([sys.executable, "-m", "locojax.cli", "train", str(spec_path)], logs, timeout_s=7200)
+    text = (logs / "stdout.log").read_text() + (logs / "stderr.log").read_text()
+    if done["returncode"] != 0:
+        raise RuntimeError(f"locojax train failed (status {done['returncode']}):\n{text[-3000:]}")
     planned = PLAN_LINE.search(text)
     figures = step_figures(out / "metrics.jsonl", args.steps)
-    figures.update(wall_s=time.monotonic() - started, peak_rss_gib=usage.ru_maxrss * 1024 / GiB,
+    figures.update(wall_s=done["wall_s"], peak_rss_gib=done["peak_rss_gib"],
                    planned_gib=float(planned.group(1)) if planned else None, plan_line=planned.group(0) if planned else None)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # ~7 GB of Orbax state per run
     return figures
@@ -302,6 +338,287 @@ def train_model_flops(limits: dict, args) -> float:
     return 6 * body * rows * seq + 6 * head * rows * args.new_tokens + attention * rows * seq
 
 
+# ---------------------------------------------------------------------------------------------
+# The peer: Tunix's GRPOLearner at the same config, after LoCoJAX's runs (never beside them: memory).
+
+
+def _grpo_step_bench():
+    """bench/grpo_step.py, imported by path (bench/ is not a package): its peer venv and harness."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_grpo_step_bench", ROOT / "bench" / "grpo_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _meminfo_gib() -> dict[str, float]:
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        if name in ("MemTotal", "MemAvailable"):
+            fields[name] = int(value.split()[0]) * 1024 / GiB  # kB
+    return fields
+
+
+def _oom_kills() -> int | None:
+    """The kernel's count of OOM kills since boot (/proc/vmstat), None where it is not exposed."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peer_memory_estimate(config, args, kl_coef: float) -> dict:
+    """What a float32 Tunix GRPO step holds at least: policy, gradients and AdamW's two moments (and a
+    reference model when the KL term is on), plus ~3 full-vocabulary float32 logits tensors over every
+    slot (Tunix computes log-probs from the logits of the whole prompt + completion sequence)."""
+    from locojax.model.config import param_count
+
+    params = param_count(config)
+    copies = 4 + (1 if kl_coef else 0)
+    rows, slots = args.prompts * args.group, args.prompt_tokens + args.new_tokens
+    state_gib = copies * 4 * params / GiB
+    logits_gib = 3 * rows * slots * config.vocab_size * 4 / GiB
+    return {"params": params, "float32_copies_of_params": copies, "state_gib": state_gib, "logits_gib": logits_gib,
+            "estimate_gib": state_gib + logits_gib,
+            "estimate_terms": f"{copies} x 4 B x {params} params + 3 x {rows} rows x {slots} slots x "
+                              f"{config.vocab_size} vocab x 4 B (activations not counted)"}
+
+
+def peer_config(paths, args, peer_steps: int) -> dict:
+    """The harness's CONFIG.json: the very RunSpec the LoCoJAX side trains (dims from its preset; algo,
+    optimizer and sampling from the validated spec, defaults included) and the prompts `run_co` draws."""
+    from locojax.model import get_preset
+    from locojax.spec import RunSpec, TaskSpec
+    from locojax.tasks import host_shard, make_task
+    from locojax.tokenizer import load_tokenizer
+
+    preset = get_preset(args.model_preset)
+    # Tunix's Qwen3 always has QK-norm: only a Qwen3 preset is the same model on both sides.
+    assert preset.arch == "qwen3" and preset.qk_norm, preset
+    spec = RunSpec.model_validate(make_spec(paths, args, "scale-peer", None))
+    task = make_task(TaskSpec(name="gsm8k", path=str(paths["data"])))
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    # The prompts of steps 0..peer_steps-1, host 0 of 1, as `run_co` draws them (same seed, same JSONL).
+    prompts = [[{"prompt": e.prompt, "answer": e.answer}
+                for e in host_shard(task, spec.seed, step, spec.rollout.prompts_per_step, 0, 1)]
+               for step in range(peer_steps)]
+    model = {k: getattr(preset, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                              "head_dim", "d_ff", "rope_theta", "norm_eps", "tie_embeddings")}
+    return {
+        "seed": spec.seed, "steps": peer_steps, "model": {**model, "remat": spec.model.remat}, "prompts": prompts,
+        "tokenizer": {"path": str(paths["tokenizer"]), "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id},
+        "workload": {"group_size": spec.rollout.group_size, "new_tokens": spec.rollout.max_new_tokens,
+                     "prompt_slots": spec.rollout.max_prompt_tokens, "temperature": spec.rollout.temperature},
+        "algo": {"kl_coef": spec.algo.kl_coef, "num_iterations": spec.algo.num_iterations,
+                 "clip_eps": spec.algo.clip_eps, "loss_agg": spec.algo.loss_agg},
+        "optim": {"lr": spec.optim.lr, "grad_clip": spec.optim.grad_clip, "b1": spec.optim.b1, "b2": spec.optim.b2,
+                  "weight_decay": spec.optim.weight_decay},
+        # For the record only (the harness does not read them): the longest prompt in LoCoJAX's ids.
+        "longest_prompt_tokens": max(len(tokenizer.encode(row["prompt"], add_bos=True))
+                                     for step in prompts for row in step),
+        "clip_eps_high": spec.algo.clip_eps_high,
+    }
+
+
+def run_process(command: list[str], log_dir: Path, timeout_s: float, sample_s: float = 0.5) -> dict:
+    """Runs `command` in its own session, killed (with everything it started) after `timeout_s`.
+
+    Peak RSS is the child's VmHWM, read every `sample_s` while it runs (a high-water mark, so only growth
+    in its last `sample_s` can be missed), not wait4's ru_maxrss: Linux carries the RSS high-water mark
+    of the process that spawned it into a child's ru_maxrss at exec, and this process may hold a
+    loaded model by then. The child is reaped only after the sampling stops, so its pid cannot be reused
+    under the sampler or the timeout's kill."""
+    import signal
+    import threading
+
+    stdout_path, stderr_path = log_dir / "stdout.log", log_dir / "stderr.log"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    timed_out, exited = threading.Event(), threading.Event()
+    peak = [0]
+    oom_before = _oom_kills()
+    started = time.monotonic()
+    with stdout_path.open("w") as out, stderr_path.open("w") as err:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+
+        def kill_on_timeout():
+            timed_out.set()
+            os.killpg(process.pid, signal.SIGKILL)
+
+        def sample_peak():
+            while not exited.wait(sample_s):
+                peak[0] = max(peak[0], _vm_hwm_bytes(Path(f"/proc/{process.pid}")))
+
+        timer = threading.Timer(timeout_s, kill_on_timeout)
+        sampler = threading.Thread(target=sample_peak, daemon=True)
+        timer.start()
+        sampler.start()
+        try:
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        finally:
+            timer.cancel()
+            exited.set()
+            sampler.join()
+        _, status, _ = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    oom_after = _oom_kills()
+    return {"returncode": process.returncode, "timed_out": timed_out.is_set(), "wall_s": time.monotonic() - started,
+            "peak_rss_gib": peak[0] / GiB, "stdout": stdout_path.read_text(), "stderr": stderr_path.read_text(),
+            "oom_kills_during_run": None if oom_before is None or oom_after is None else oom_after - oom_before}
+
+
+FAILURE_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
+
+
+def failure_reason(process: dict, timeout_s: float, memory: dict) -> tuple[str, str]:
+    """What the process left: one sentence (how it ended, what its stderr mentions, the peak RSS it
+    reached, the machine's memory) and its stderr's last lines (addresses in them elided)."""
+    import signal
+
+    code = process["returncode"]
+    if process["timed_out"]:
+        how = f"killed by this bench's --peer-timeout after {timeout_s:.0f} s"
+    elif code < 0:
+        how = f"killed by signal {-code} ({signal.Signals(-code).name})"
+        if process["oom_kills_during_run"] is not None:
+            how += f"; the kernel counted {process['oom_kills_during_run']} OOM kill(s) during the run (/proc/vmstat)"
+    else:
+        how = f"exited with status {code}"
+    markers = [m for m in FAILURE_MARKERS if m in process["stderr"]]
+    tail = "\n".join(process["stderr"].strip().splitlines()[-15:])[-2500:]
+    tail = re.sub(r"\w+://\S+", "<address>", tail)  # library error messages cite documentation pages
+    summary = (f"{how}{'; stderr mentions ' + ', '.join(markers) if markers else ''}; peak RSS "
+               f"{process['peak_rss_gib']:.2f} GiB after {process['wall_s']:.0f} s; MemTotal "
+               f"{memory['mem_total_gib']:.1f} GiB, MemAvailable {memory['mem_available_gib']:.1f} GiB at start "
+               f"(estimate {memory['estimate_gib']:.2f} GiB)")
+    return summary, tail
+
+
+def steady_part(values: list[float]) -> list[float]:
+    """The steady part of a per-step series, as step_figures takes LoCoJAX's: every step after the first
+    (which compiles), or all of them when there is only one."""
+    return values[1:] or values
+
+
+def run_peer(paths, args, work: Path) -> dict:
+    """Tunix's GRPOLearner on the same spec, prompts and tokenizer: `peer` for scale.json, ran or not."""
+    from locojax.model import get_preset
+
+    bench = _grpo_step_bench()
+    # LoCoJAX's step_s is the median of its steps after the first. The harness times a step from one
+    # batch pull to the next, so its last step has no period: one more step gives the same count.
+    peer_steps = args.steps + 1
+    config = peer_config(paths, args, peer_steps)
+    preset = get_preset(args.model_preset)
+    memory = peer_memory_estimate(preset, args, config["algo"]["kl_coef"])
+    meminfo = _meminfo_gib()
+    memory.update(mem_total_gib=meminfo["MemTotal"], mem_available_gib=meminfo["MemAvailable"],
+                  below_estimate=meminfo["MemAvailable"] < memory["estimate_gib"])
+    if memory["below_estimate"]:
+        print(f"MemAvailable {meminfo['MemAvailable']:.1f} GiB is below the peer's estimated "
+              f"{memory['estimate_gib']:.1f} GiB; running it anyway (an OOM kill is an answer too)", flush=True)
+    record = {"package": bench.PEER_PACKAGE, "steps": peer_steps,
+              "steps_note": "one more step than LoCoJAX: the peer's last step has no next batch pull to end its "
+                            "period; its steady step is the median of its periods after the first, as many as "
+                            "LoCoJAX's steps after the first",
+              "memory": memory, "longest_prompt_tokens": config["longest_prompt_tokens"],
+              "config": {k: config[k] for k in ("model", "workload", "algo", "optim")},
+              "differences": [
+                  f"Tunix's GRPOConfig has one clip epsilon ({config['algo']['clip_eps']} both ways); LoCoJAX "
+                  f"clips above at {config['clip_eps_high']} (clip_eps_high): an elementwise bound, no work",
+                  "no stop token on the peer: every row decodes all new tokens; LoCoJAX decodes all of them "
+                  "unless every row has stopped (completion_len_max checks it) and ends a row's loss mask at "
+                  "its EOS",
+                  "LoCoJAX's step_s excludes its checkpoint save; the peer saves none"]}
+    try:
+        python = bench.ensure_peer_venv()
+    except (subprocess.CalledProcessError, OSError) as error:
+        return {"ran": False, "reason": f"could not install {bench.PEER_PACKAGE} into its venv: {error}", **record}
+    log_dir = work / "peer"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config_path = log_dir / "peer_config.json"
+    config_path.write_text(json.dumps(config))
+    load_before = os.getloadavg()
+    print(f"peer: {bench.PEER_PACKAGE} GRPOLearner, {peer_steps} steps (timeout {args.peer_timeout:.0f} s; "
+          f"logs in {log_dir}) ...", flush=True)
+    process = run_process([str(python), str(bench.PEER_SCRIPT), str(config_path)], log_dir, args.peer_timeout)
+    record.update(wall_s=process["wall_s"], peak_rss_gib=process["peak_rss_gib"],
+                  load_average_before=load_before, load_average_after=os.getloadavg())
+    lines = [line for line in process["stdout"].splitlines() if line.startswith("{")]
+    if process["returncode"] != 0 or not lines:
+        summary, tail = failure_reason(process, args.peer_timeout, memory)
+        return {"ran": False, "reason": f"{summary}. Last lines of stderr:\n{tail}", "summary": summary,
+                **record}
+    out = json.loads(lines[-1])
+    if out["train_steps"] != peer_steps:
+        return {"ran": False, "reason": f"the peer trained {out['train_steps']} steps, not {peer_steps}", **record}
+    steady = steady_part(out["periods_s"])  # period k is step k, k = 0 .. peer_steps - 2
+    kept = range(1, peer_steps - 1) if peer_steps > 2 else range(peer_steps - 1)  # the steps of `steady`
+    phases = {name: statistics.median(values[k] for k in kept) for name, values in out["phases_s"].items()
+              if len(values) == peer_steps}
+    record.update(ran=True, step_s=statistics.median(steady), periods_s=out["periods_s"], steady_periods_s=steady,
+                  last_step_s=out["last_step_s"], total_s=out["total_s"],
+                  generated=out["generated"], versions=out["versions"], phases=phases,
+                  reference_model=out.get("reference_model"))
+    return record
+
+
+def identical_work(result: dict, peer: dict, args, work: Path | None) -> dict:
+    """Did both sides decode rows x new tokens completion slots per step over the same prompt buffer?
+    The peer counts its rollouts; LoCoJAX decodes every slot while any row is still going, so its steps
+    decoded rows x N exactly when completion/len_max reached N (from scale.json, else the metrics files
+    a --work directory keeps). `locojax_ok` is None where neither holds them (a scale.json older than
+    `completion_len_max`): unknown, which does not withhold the ratio; the note says so."""
+    rows, new, slots = args.prompts * args.group, args.new_tokens, args.prompts * args.group * args.new_tokens
+    len_max = [step for r in result["rounds"] for step in (r.get("completion_len_max") or [])]
+    if not len_max and work is not None:
+        for metrics in sorted(work.glob("cli-*/metrics.jsonl")):
+            len_max += step_figures(metrics, args.steps)["completion_len_max"]
+    peer_ok = all(g["rows"] == rows and g["slots"] == slots and g["min_len"] == g["max_len"] == new
+                  and g.get("prompt_width", args.prompt_tokens) == args.prompt_tokens for g in peer["generated"])
+    locojax_ok = all(m is not None and int(m) == new for m in len_max) if len_max else None
+    check = {"rows_per_step": rows, "new_tokens": new, "completion_slots_per_step": slots,
+             "prompt_slots": args.prompt_tokens,
+             "peer_slots_per_step": [g["slots"] for g in peer["generated"]],
+             "peer_prompt_width": [g.get("prompt_width") for g in peer["generated"]],
+             "locojax_completion_len_max": len_max, "peer_ok": peer_ok, "locojax_ok": locojax_ok,
+             "same": peer_ok and locojax_ok is not False}
+    if locojax_ok is None:
+        check["note"] = ("LoCoJAX's completion lengths are not recorded for this run: its train step runs over "
+                         "rows x new tokens slots by construction, and its decode loop would stop early only if "
+                         "every row sampled EOS, which is not checked here")
+    return check
+
+
+def merge_peer(result: dict, peer: dict, args, work: Path | None) -> None:
+    """`peer`, `ratio_vs_peer` and `peer_note` of scale.json from the peer's record."""
+    result["peer"] = peer
+    result["ratio_vs_peer"] = None
+    name = peer["package"].replace("google-", "").replace("==", " ")
+    if not peer["ran"]:
+        result["peer_note"] = (f"{name} GRPOLearner did not complete at this config: "
+                               f"{peer.get('summary', peer['reason'])} (peer.reason has its stderr)")
+        return
+    peer["identical_work"] = check = identical_work(result, peer, args, work)
+    if not check["same"]:
+        result["peer_note"] = (f"{name} GRPOLearner ran, but the two sides' work differed (see "
+                               f"peer.identical_work), so no ratio is given")
+        return
+    result["ratio_vs_peer"] = peer["step_s"] / result["step_s"]
+    result["peer_note"] = (
+        f"{name} GRPOLearner on the same spec, prompts and tokenizer (kl_coef {peer['config']['algo']['kl_coef']:g}"
+        f"{', no reference model' if not peer['reference_model'] else ''}, remat {peer['config']['model']['remat']} "
+        f"in training): steady step {peer['step_s']:.3g} s (median of its {len(peer['steady_periods_s'])} periods "
+        f"after the first, {peer['steps']} steps) against LoCoJAX's {result['step_s']:.3g} s; ratio_vs_peer = "
+        f"peer / LoCoJAX (>1: LoCoJAX faster); peak RSS {peer['peak_rss_gib']:.3g} GiB against LoCoJAX's "
+        f"{result['peak_rss_gib']:.3g} GiB"
+        f"{'; LoCoJAX decoded slots not recorded (peer.identical_work.note)' if check['locojax_ok'] is None else ''}")
+
+
 def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_before, wall_s: float) -> dict:
     """scale.json's figures from the phases' results."""
     step_times = [r["step_s"] for r in rounds]
@@ -310,7 +627,8 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
     peak = max(r["peak_rss_gib"] for r in rounds)
     planned = rounds[0]["planned_gib"]
     result = {
-        "benchmark": "scale", "model": "qwen3-0.6b (exact config, random weights)", "mode": "co",
+        "benchmark": "scale", "model": f"{args.model_preset} (exact config, random weights)", "mode": "co",
+        "seed": args.seed,
         "batch": {"prompts": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
                   "max_new_tokens": args.new_tokens, "dtype": "float32", "remat": args.remat},
         "steps_completed": min(r["steps_completed"] for r in rounds),
@@ -330,15 +648,78 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
         "limits": limits,
         "rounds": rounds,
         "ratio_vs_peer": None,
-        "peer_note": ("Tunix not run: its GRPO keeps a policy, a reference model and AdamW state for the 0.6B in "
-                      "float32 in one process (~12 GB before activations and its full-vocabulary logits), which "
-                      "does not fit beside this run in the 24 GiB the machine's other jobs share, and it would "
-                      "double the bench's time; bench/grpo_step.py compares the two engines at the small preset"),
+        "peer_note": ("no Tunix run recorded: the bench ran with --no-peer, or its peer had not finished when this "
+                      "was written; `bench/scale.py --peer-only --work DIR` adds one"),
+        "peer": None,
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "load_note": args.load_note,
         "cpu_count": os.cpu_count(), "wall_s": wall_s,
     }
     return result
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run_locojax(args, work: Path) -> dict:
+    """The LoCoJAX phases (machine limits, `locojax train` rounds, the REST run): scale.json's figures."""
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    paths = input_paths(work, args.model_preset) if args.resume_partial else (
+        build_inputs(work, args.seed, args.model_preset))
+    # Each phase's figures land in <out>.partial as they come, so a failure late keeps the rest.
+    partial = args.out.with_suffix(".partial.json")
+    done = json.loads(partial.read_text()) if args.resume_partial and partial.is_file() else {}
+    if "limits" in done:
+        limits, rounds = done["limits"], done.get("rounds", [])
+        load_before = tuple(done.get("load_average_before", load_before))
+    else:
+        limits, rounds = machine_limits(paths, args), []
+    partial.write_text(json.dumps({"limits": limits, "load_average_before": load_before}, indent=2))
+    for index in range(len(rounds), args.rounds):
+        rounds.append(run_cli(paths, args, work, index))
+        partial.write_text(json.dumps({"limits": limits, "rounds": rounds, "load_average_before": load_before},
+                                      indent=2))
+    rest = None if args.no_rest else run_rest(paths, args, work)
+    partial.unlink(missing_ok=True)
+    result = summarise(args, limits, rounds, rest, load_before, time.monotonic() - started)
+    result["inputs_sha256"] = input_digests(paths)
+    return result
+
+
+def load_for_peer_only(args, work: Path) -> tuple[dict, str]:
+    """The existing scale.json a --peer-only run adds to, and where the peer's inputs come from. The
+    file's batch, steps and seed become this run's, so the peer repeats the LoCoJAX run it describes;
+    the JSONL and tokenizer are the --work directory's, or rebuilt from the seed where it lacks them."""
+    from locojax.model import get_preset
+
+    if not args.out.is_file():
+        raise SystemExit(f"--peer-only adds to an existing {args.out}; run the full bench first")
+    result = json.loads(args.out.read_text())
+    batch = result["batch"]
+    args.prompts, args.group = batch["prompts"], batch["group_size"]
+    args.prompt_tokens, args.new_tokens = batch["max_prompt_tokens"], batch["max_new_tokens"]
+    args.remat = batch["remat"]
+    args.steps, args.seed = result["steps_completed"], result.get("seed", args.seed)
+    recorded = result["limits"]["config"]
+    preset = get_preset(args.model_preset)
+    if any(getattr(preset, key) != value for key, value in recorded.items()):
+        raise SystemExit(f"{args.out} records a model {recorded}, not the {args.model_preset} preset")
+    paths = input_paths(work, args.model_preset)
+    if paths["data"].is_file() and paths["tokenizer"].is_file():
+        source = f"the full run's --work directory {work}"
+    else:
+        paths = build_inputs(work, args.seed, args.model_preset, weights=False)
+        source = (f"rebuilt from seed {args.seed} (the JSONL and tokenizer.json; the bench builds them "
+                  f"deterministically)")
+    recorded_digests = result.get("inputs_sha256")
+    if recorded_digests and recorded_digests != input_digests(paths):
+        raise SystemExit(f"the JSONL or tokenizer in {work} differ from those {args.out} was measured with")
+    if not recorded_digests:
+        source += "; this scale.json predates inputs_sha256, so they are not checked against its run"
+    return result, source
 
 
 def main() -> None:
@@ -353,45 +734,45 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-rest", action="store_true", help="skip the run through `locojax up`")
     parser.add_argument("--rest-timeout", type=float, default=600.0)
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
+                        help="after LoCoJAX's runs, Tunix's GRPOLearner at the same config (default: on)")
+    parser.add_argument("--peer-timeout", type=float, default=3600.0, help="wall-clock limit of the peer run (s)")
+    parser.add_argument("--peer-only", action="store_true",
+                        help="run only the peer and add it to the existing --out (inputs from --work, or rebuilt)")
     parser.add_argument("--work", type=Path, default=None, help="default: a temporary directory, removed after")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--load-note", default="", help="what else ran on the machine, recorded in the JSON")
     parser.add_argument("--resume-partial", action="store_true",
                         help="reuse the phases <out>.partial.json holds (needs the same --work) and run the rest")
+    # Development only: the whole bench (peer included) at a small preset, to check its paths quickly.
+    parser.add_argument("--model-preset", default="qwen3-0.6b", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peer_only and (not args.peer or args.resume_partial):
+        parser.error("--peer-only goes with neither --no-peer nor --resume-partial")
 
     work = args.work or Path(tempfile.mkdtemp(prefix="locojax-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
-    started = time.monotonic()
     try:
-        paths = build_inputs(work, args.seed) if not args.resume_partial else {
-            "model": work / "qwen3-0.6b-random", "data": work / "gsm8k.jsonl",
-            "tokenizer": work / "qwen3-0.6b-random" / "tokenizer.json"}
-        # Each phase's figures land in <out>.partial as they come, so a failure late keeps the rest.
-        partial = args.out.with_suffix(".partial.json")
-        done = json.loads(partial.read_text()) if args.resume_partial and partial.is_file() else {}
-        if "limits" in done:
-            limits, rounds = done["limits"], done.get("rounds", [])
-            load_before = tuple(done.get("load_average_before", load_before))
+        inputs = f"the inputs this run built in {'--work ' + str(work) if args.work else 'a temporary directory'}"
+        if args.peer_only:
+            result, inputs = load_for_peer_only(args, work)
         else:
-            limits, rounds = machine_limits(paths, args), []
-        partial.write_text(json.dumps({"limits": limits, "load_average_before": load_before}, indent=2))
-        for index in range(len(rounds), args.rounds):
-            rounds.append(run_cli(paths, args, work, index))
-            partial.write_text(json.dumps({"limits": limits, "rounds": rounds, "load_average_before": load_before},
-                                          indent=2))
-        rest = None if args.no_rest else run_rest(paths, args, work)
-        partial.unlink(missing_ok=True)
+            result = run_locojax(args, work)
+            # Written before the peer starts, so its failure or a crash here cannot lose LoCoJAX's figures.
+            _write(args.out, result)
+            print(json.dumps({k: result[k] for k in ("steps_completed", "step_s", "rollout_tokens_per_s",
+                                                     "peak_rss_gib", "planned_gib", "peak_rss_vs_plan",
+                                                     "decode_vs_roofline", "train_vs_matmul_peak",
+                                                     "load_average_before")}, indent=2), flush=True)
+        if args.peer:
+            peer = run_peer(input_paths(work, args.model_preset), args, work)
+            peer["inputs"] = inputs
+            merge_peer(result, peer, args, work)
+            _write(args.out, result)
+            print(json.dumps({k: result[k] for k in ("ratio_vs_peer", "peer_note")}, indent=2))
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    result = summarise(args, limits, rounds, rest, load_before, time.monotonic() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("steps_completed", "step_s", "rollout_tokens_per_s", "peak_rss_gib",
-                                             "planned_gib", "peak_rss_vs_plan", "decode_vs_roofline",
-                                             "train_vs_matmul_peak", "load_average_before")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,23 @@
-"""Peer side of bench/grpo_step.py: Tunix 0.1.7's `GRPOLearner`, timed step by step.
+"""Peer side of bench/grpo_step.py and bench/scale.py: Tunix 0.1.7's `GRPOLearner`, timed step by step.
 
 Runs ONLY inside the Tunix venv (bench/.peer-venvs/tunix) and imports nothing from this project:
 
     bench/.peer-venvs/tunix/bin/python bench/peers/tunix_grpo_step.py CONFIG.json
 
-CONFIG.json (written by bench/grpo_step.py) holds the model dimensions, the algorithm settings and the
-prompts/answers of every step, so both sides train on the same prompt strings. Prints one JSON line
-(the last line of stdout) with the per-step wall periods and the token counts of every rollout.
+CONFIG.json (written by bench/grpo_step.py or bench/scale.py) holds the model dimensions, the algorithm
+settings and the prompts/answers of every step, so both sides train on the same prompt strings. Prints
+one JSON line (the last line of stdout) with the per-step wall periods and the token counts of every
+rollout.
+
+Optional keys, each defaulting to what bench/grpo_step.py runs: `model.remat` ("none", or "full":
+Tunix's `RematConfig.DECODER` in training, each decoder layer rematerialised as LoCoJAX's `remat: full`
+does, and none in rollouts, as LoCoJAX's; see `rollouts_without_remat`);
+`algo.loss_agg` (LoCoJAX's name; default seq_mean_token_mean); `optim.b1`, `optim.b2`,
+`optim.weight_decay`; and `tokenizer` = {"path", "bos_id", "pad_id"}: a local `tokenizer.json` with the
+special ids the LoCoJAX side uses, in place of the byte tokenizer (a model whose vocabulary is a BPE's,
+e.g. bench/scale.py's Qwen3-0.6B). With `algo.kl_coef` 0 no reference model is built: Tunix's GRPO
+skips the reference log-probs at beta 0 and `RLCluster` takes `reference=None`, so the run holds only
+the policy, its gradients and AdamW state, as LoCoJAX's does at kl_coef 0.
 
 How a step is timed: `GRPOLearner.train` pulls one batch from the training iterator at the start of
 each global step (rollout -> reference log-probs -> rewards -> advantages -> train step -> metrics)
@@ -47,6 +58,39 @@ class ByteTokenizer:
         return 258
 
 
+class FileTokenizer:
+    """A local HF `tokenizer.json` (through the `tokenizers` library) with the LoCoJAX side's special ids,
+    in the same method-style interface. `encode` prepends BOS itself, so a prompt's ids are exactly
+    LoCoJAX's (BOS + text): Tunix's sampler adds BOS only when `bos_id()` is truthy, which id 0 is not,
+    and where it does add one its `dedup_bos_ids` drops the repeat. `eos_id()` is -1 as ByteTokenizer's:
+    no stop token, every completion is max_tokens_to_generate long."""
+
+    def __init__(self, path: str, bos_id: int, pad_id: int):
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(path)
+        self._bos, self._pad = bos_id, pad_id
+
+    def encode(self, text: str, **_) -> list[int]:
+        return [self._bos, *self._tokenizer.encode(text, add_special_tokens=False).ids]
+
+    def decode(self, ids, **_) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def bos_id(self) -> int:
+        return self._bos
+
+    def eos_id(self) -> int:
+        return -1
+
+    def pad_id(self) -> int:
+        return self._pad
+
+
+# LoCoJAX's loss aggregation names (AlgoSpec.loss_agg) and Tunix's for the same reduction.
+LOSS_AGG = {"token_mean": "token-mean", "seq_mean_token_mean": "sequence-mean-token-mean",
+            "seq_mean_token_sum_norm": "sequence-mean-token-sum-norm"}
+
 _STRICT = re.compile(r"####\s*(-?\s*\$?\s*-?\s*(?:\d(?:[\d,]*\d)?(?:\.\d+)?|\.\d+))")
 
 
@@ -67,6 +111,26 @@ def gsm8k_strict(prompts, completions, answer, **_) -> list[float]:
         predicted = _number(match.group(1)) if match else None
         out.append(1.0 if predicted is not None and predicted == _number(str(truth)) else 0.0)
     return out
+
+
+def rollouts_without_remat(generate, model_config, none):
+    """`generate` with the model's remat switched off while it runs.
+
+    Tunix's layers apply `remat_config` wherever the model runs, and its sampler fails under it (flax
+    raises TraceContextError from nnx.remat inside the decode while_loop); LoCoJAX rematerialises only
+    the training forward. Every layer reads the one ModelConfig they share when a computation is traced,
+    and a rollout never overlaps a train step here (actor and rollout share a mesh, so Tunix does not
+    run rollouts asynchronously): so the config says `none` for exactly the span of each rollout."""
+
+    def wrapper(*args, **kwargs):
+        training_remat = model_config.remat_config
+        model_config.remat_config = none
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            model_config.remat_config = training_remat
+
+    return wrapper
 
 
 def main(config_path: str) -> None:
@@ -97,11 +161,15 @@ def main(config_path: str) -> None:
         hidden_dim=dims["d_ff"], num_heads=dims["n_heads"], head_dim=dims["head_dim"],
         num_kv_heads=dims["n_kv_heads"], rope_theta=int(dims["rope_theta"]), norm_eps=dims["norm_eps"],
         use_tied_embedding=dims["tie_embeddings"], dtype="float32", param_dtype="float32",
+        remat_config={"none": qwen3.RematConfig.NONE,
+                      "full": qwen3.RematConfig.DECODER}[dims.get("remat", "none")],
     )
     with jax.set_mesh(mesh):
         actor = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
-        # The frozen reference starts equal to the policy, as LoCoJAX's does.
-        reference = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
+        # The frozen reference starts equal to the policy, as LoCoJAX's does; at beta 0 there is none.
+        reference = (create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
+                     if algo["kl_coef"] != 0 else None)
+    tokenizer = FileTokenizer(**cfg["tokenizer"]) if cfg.get("tokenizer") else ByteTokenizer()
 
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=work["new_tokens"],
@@ -113,7 +181,8 @@ def main(config_path: str) -> None:
     )
     optimizer = optax.chain(
         optax.clip_by_global_norm(cfg["optim"]["grad_clip"]),
-        optax.adamw(cfg["optim"]["lr"], b1=0.9, b2=0.999, weight_decay=0.0),
+        optax.adamw(cfg["optim"]["lr"], b1=cfg["optim"].get("b1", 0.9), b2=cfg["optim"].get("b2", 0.999),
+                    weight_decay=cfg["optim"].get("weight_decay", 0.0)),
     )
     cluster_config = rl_cluster_lib.ClusterConfig(
         role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
@@ -130,7 +199,7 @@ def main(config_path: str) -> None:
         ),
         rollout_config=rollout_config,
     )
-    cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=ByteTokenizer(),
+    cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=tokenizer,
                                        cluster_config=cluster_config)
     grpo_config = grpo_learner.GRPOConfig(
         num_generations=work["group_size"],
@@ -138,7 +207,7 @@ def main(config_path: str) -> None:
         beta=algo["kl_coef"],
         kl_loss_mode="low_var_kl",  # the k3 estimator, as LoCoJAX's KL penalty
         epsilon=algo["clip_eps"],
-        loss_agg_mode="sequence-mean-token-mean",
+        loss_agg_mode=LOSS_AGG[algo.get("loss_agg", "seq_mean_token_mean")],
     )
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=grpo_config, reward_fns=[gsm8k_strict])
 
@@ -146,24 +215,29 @@ def main(config_path: str) -> None:
     # decoded (rows x their lengths), `tokens` what the loss trains on. GRPOLearner masks every
     # completion token equal to the pad id (`completion_mask = ids != pad`), also one the sampler drew
     # by chance (no id is excluded from sampling, on either side), so only non-pad tokens count.
+    # `prompt_width` is the prompt buffer the sampler used: it widens it to the next power of two
+    # when a prompt is longer than max_prompt_length, which would be more work than the other side's.
     generated: list[dict] = []
     original_generate = cluster.generate
-    pad_id = ByteTokenizer().pad_id()
+    pad_id = tokenizer.pad_id()
 
     def counting_generate(*args, **kwargs):
         out = original_generate(*args, **kwargs)
         lengths = [len(t) for t in out.tokens]
         trained = sum(int((np.asarray(t) != pad_id).sum()) for t in out.tokens)
         generated.append({"rows": len(lengths), "slots": int(sum(lengths)), "tokens": trained,
-                          "min_len": int(min(lengths)), "max_len": int(max(lengths))})
+                          "min_len": int(min(lengths)), "max_len": int(max(lengths)),
+                          "prompt_width": int(np.shape(out.left_padded_prompt_tokens)[1])})
         return out
 
     cluster.generate = counting_generate
+    if model_config.remat_config != qwen3.RematConfig.NONE:
+        cluster.generate = rollouts_without_remat(cluster.generate, model_config, qwen3.RematConfig.NONE)
 
     # Rough phase timings of the peer, for the report only (the step period is what is compared):
     # rollout = `generate` (blocks: it returns host tokens and texts), reference = reference
-    # log-probs until ready, train = `update_actor` (Tunix may leave its last update in flight;
-    # the next rollout then waits for it).
+    # log-probs until ready (never called at beta 0), train = `update_actor` (Tunix may leave its
+    # last update in flight; the next rollout then waits for it).
     phases: dict[str, list[float]] = {"rollout": [], "reference": [], "train": []}
 
     def timed(name, fn, block=False):
@@ -205,6 +279,7 @@ def main(config_path: str) -> None:
         "total_s": ended - started,
         "generated": generated,
         "train_steps": int(cluster.actor_trainer.train_steps),
+        "reference_model": reference is not None,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "versions": {"jax": jax.__version__, "tunix": _version("google-tunix"), "flax": _version("flax"),
                      "optax": _version("optax")},
