@@ -8,14 +8,15 @@ random weights (`save_hf_checkpoint` of the `qwen3-0.6b` preset), a `tokenizer.j
 
 What it runs, each round:
   * `locojax train SPEC` (CO, one host, one CPU device) for --steps steps, as a subprocess whose peak
-    RSS comes from wait4; the engine prints its memory plan at start, parsed as `planned_gib`;
+    RSS is its VmHWM, sampled while it runs; the engine prints its memory plan at start, parsed as `planned_gib`;
   * once, the same spec submitted over REST to `locojax up` (the embedded control plane), watched to
     SUCCEEDED; the engine process's peak RSS is its VmHWM;
-  * in this process: the machine's streaming memory bandwidth and matmul peak, and the engine's own
+  * in a child process: the machine's read bandwidth and matmul peak, and the engine's own
     decode kernel timed at 1 and N new tokens, so decode time excludes prefill.
 Figures: steady `step_s` (median of steps after the first, which compiles), `rollout_tokens_per_s`,
-`peak_rss_gib` vs `planned_gib`, `decode_vs_roofline` = decode tokens/s / (bandwidth x batch / bytes
-read per decode step), `train_vs_matmul_peak` = the train phase's model FLOP/s / measured matmul peak.
+`peak_rss_gib` vs `planned_gib`, `decode_vs_roofline` = decode tokens/s / (read bandwidth x batch / bytes
+read per decode step), with `limits.decode_breakdown` (what a decode step is made of),
+`train_vs_matmul_peak` = the train phase's model FLOP/s / measured matmul peak.
 
 The peer (on by default; `--no-peer` skips it): after LoCoJAX's runs, never beside them (memory), and
 once scale.json holds their figures, Tunix's `GRPOLearner` (bench/peers/tunix_grpo_step.py, in the venv
@@ -276,24 +277,106 @@ def run_rest(paths, args, work: Path) -> dict:
 
 
 def machine_limits(paths, args) -> dict:
-    """Streaming bandwidth and matmul peak of this machine, and the engine's decode time per token
-    (generate at 1 and at N new tokens, the difference per token: prefill excluded)."""
+    """`measure_limits` in a child process, so this process stays small: the rounds after it are
+    planned against the machine's MemAvailable, and a 0.6B model held here (2.4 GB and its buffers)
+    took enough of it that the second of two rounds was refused."""
+    code = ("import json, sys, types\nsys.path.insert(0, {root!r})\nfrom bench.scale import measure_limits\n"
+            "print(json.dumps(measure_limits({paths!r}, types.SimpleNamespace(**{args!r}))))\n").format(
+        root=str(ROOT), paths={k: str(v) for k, v in paths.items()},
+        args={k: getattr(args, k) for k in ("prompts", "group", "prompt_tokens", "new_tokens")})
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring the machine's limits failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _best_s(run, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run` (after one untimed call that compiles)."""
+    import jax
+
+    jax.block_until_ready(run())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth(gib: int = 1, repeats: int = 5) -> dict:
+    """Bytes/s the machine's cores read from memory: a jitted sum over `gib` GiB (larger than every
+    cache), the access decode makes of its weights. Also, for reference, `x * 2` into a fresh output
+    (what locojax probe's measure_memory_bandwidth times): XLA:CPU page-faults a new output buffer on
+    every call, so that figure (7.4 GB/s here, against 41 GB/s read) measures the faults more than
+    the memory, and a roofline on it sat below the engine's own decode."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((gib * 2**30 // 4,), jnp.float32)
+    total, scale = jax.jit(jnp.sum), jax.jit(lambda v: v * 2.0)
+    read_s = _best_s(lambda: total(x), repeats)
+    fresh_s = _best_s(lambda: scale(x), repeats)
+    return {"read_gb_s": x.nbytes / read_s / 1e9, "scale_into_fresh_output_gb_s": 2 * x.nbytes / fresh_s / 1e9}
+
+
+def decode_breakdown(config, rows: int, repeats: int = 5) -> dict:
+    """Seconds of the pieces one decode step of `rows` sequences is made of, each alone at the model's
+    shapes (random values): every layer's projections and MLP as plain matmuls, the vocabulary head,
+    and drawing the next token from [rows, vocab] logits (jax.random.categorical: a Gumbel draw per
+    vocabulary entry). What the step takes beyond their sum is the rest: attention over the cache,
+    norms, rotary, the cache update, the loop."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(0)
+    width, heads, kv, head_dim, hidden = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
+    shapes = [(width, (heads + 2 * kv) * head_dim), (heads * head_dim, width), (width, 2 * hidden), (hidden, width)]
+    layers = [jax.random.normal(key, shape, jnp.float32) * 0.01 for _ in range(config.n_layers) for shape in shapes]
+    x = jax.random.normal(key, (rows, width), jnp.float32)
+
+    @jax.jit
+    def body(x, weights):  # q/k/v, output, gate+up, down: each layer's weights read once, as decode does
+        for i in range(0, len(weights), 4):
+            q = x @ weights[i]
+            x = q[:, :heads * head_dim] @ weights[i + 1]
+            up = x @ weights[i + 2]
+            x = up[:, :hidden] @ weights[i + 3]
+        return x
+
+    head = jax.random.normal(key, (width, config.vocab_size), jnp.float32) * 0.01
+    logits = jax.random.normal(key, (rows, config.vocab_size), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    draw = jax.jit(lambda k, z: jax.random.categorical(k, z, axis=-1))
+    pieces = {"layer_matmuls_s": _best_s(lambda: body(x, layers), repeats),
+              "head_matmul_s": _best_s(lambda: matmul(x, head), repeats),
+              "sampling_s": _best_s(lambda: draw(key, logits), repeats)}
+    del layers, head
+    return pieces
+
+
+def measure_limits(paths, args) -> dict:
+    """Read bandwidth and matmul peak of this machine, and the engine's decode time per token
+    (generate at 1 and at N new tokens, the difference per token: prefill excluded), with what a decode
+    step is made of (`decode_breakdown`)."""
     import jax
     import numpy as np
 
     from locojax.model.config import param_count
     from locojax.model.hf import load_hf_checkpoint
-    from locojax.placement.probe import measure_matmul_flops, measure_memory_bandwidth
+    from locojax.placement.probe import measure_matmul_flops
     from locojax.rollout import SamplingConfig, make_generate_fn
     from locojax.spec import RolloutSpec
     from locojax.tokenizer import load_tokenizer
     from locojax.train import split_params
 
-    bandwidth = measure_memory_bandwidth(megabytes=1024, repeats=5)
+    paths = {k: Path(v) for k, v in paths.items()}
+    bandwidths = read_bandwidth()
+    bandwidth = bandwidths["read_gb_s"] * 1e9
     matmul = measure_matmul_flops(size=2048, repeats=5)
     model = load_hf_checkpoint(paths["model"])
     config = model.config
     graphdef, params = split_params(model)
+    del model
     tokenizer = load_tokenizer(paths["tokenizer"])
     batch = args.prompts * args.group
     rng = np.random.default_rng(0)
@@ -311,17 +394,25 @@ def machine_limits(paths, args) -> dict:
             jax.block_until_ready(generate(params, tokens, mask, jax.random.PRNGKey(repeat + 1), 0))
             best = min(best, time.perf_counter() - start)
         timings[new] = best
+    del params
     decode_step_s = (timings[args.new_tokens] - timings[1]) / (args.new_tokens - 1)
     weight_bytes = param_count(config) * 4
     mean_context = args.prompt_tokens + args.new_tokens / 2
     bytes_per_step = weight_bytes + batch * mean_context * config.kv_bytes_per_token(4)
     decode_tokens_per_s = batch / decode_step_s
     roofline_tokens_per_s = bandwidth * batch / bytes_per_step
-    return {"stream_bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflop_s": matmul / 1e9,
+    pieces = decode_breakdown(config, batch)
+    breakdown = {**pieces, "rest_s": decode_step_s - sum(pieces.values()),
+                 "weight_read_floor_s": bytes_per_step / bandwidth,
+                 "matmul_floor_s": 2 * param_count(config) * batch / matmul}
+    return {"stream_bandwidth_gb_s": bandwidth / 1e9, "bandwidths": bandwidths,
+            "bandwidth_note": "stream_bandwidth_gb_s is the read bandwidth (a sum over 1 GiB); see read_bandwidth",
+            "matmul_peak_gflop_s": matmul / 1e9,
             "decode_step_s": decode_step_s, "prefill_plus_one_token_s": timings[1],
             "decode_tokens_per_s": decode_tokens_per_s, "decode_bytes_per_step": bytes_per_step,
             "roofline_decode_tokens_per_s": roofline_tokens_per_s,
-            "decode_vs_roofline": decode_tokens_per_s / roofline_tokens_per_s, "params": param_count(config),
+            "decode_vs_roofline": decode_tokens_per_s / roofline_tokens_per_s, "decode_breakdown": breakdown,
+            "params": param_count(config),
             "config": {k: getattr(config, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                                                        "head_dim", "d_ff", "tie_embeddings", "max_seq_len")}}
 
