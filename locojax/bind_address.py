@@ -74,7 +74,9 @@ def reexecute_bound_to(address: str, argv: Sequence[str] | None = None) -> None:
     # A raylet started with RAY_LD_PRELOAD_ON_WORKERS=0 unsets LD_PRELOAD for the workers it starts.
     # (With LD_PRELOAD set, Ray does not preload its jemalloc into the GCS and raylet: glibc's malloc.)
     env.pop("RAY_LD_PRELOAD_ON_WORKERS", None)
-    command = list(argv) if argv is not None else [sys.executable, *sys.orig_argv[1:]]
+    from locojax.private_network import this_command
+
+    command = this_command(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], command, env)

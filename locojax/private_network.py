@@ -72,6 +72,12 @@ def available() -> str | None:
     return None
 
 
+def this_command(argv: Sequence[str] | None = None) -> list[str]:
+    """The command that re-executes this process (`argv` when given): orig_argv keeps `-m locojax.cli`,
+    which sys.argv has already turned into a file path."""
+    return list(argv) if argv is not None else [sys.executable, *sys.orig_argv[1:]]
+
+
 def reexecute_inside(argv: Sequence[str] | None = None) -> None:
     """Replace this process by the same command (`argv`, default this one) in a private network
     namespace; returns only when that is impossible, after saying why on stderr."""
@@ -85,8 +91,7 @@ def reexecute_inside(argv: Sequence[str] | None = None) -> None:
         print(f"warning: no private network for this run's Ray ({reason}); its ports listen on this "
               "machine's loopback, guarded by its per-run token only", file=sys.stderr, flush=True)
         return
-    # orig_argv keeps `-m locojax.cli`, which sys.argv has already turned into a file path
-    command = list(argv) if argv is not None else [sys.executable, *sys.orig_argv[1:]]
+    command = this_command(argv)
     env = {**os.environ, INSIDE_ENV: f"{namespace_id()} {_parent_death_signal()}"}
     sys.stdout.flush()
     sys.stderr.flush()

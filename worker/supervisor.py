@@ -412,7 +412,7 @@ class HostSupervisor:
                              self.process.stdout, attempt=self.attempt, host_name=self.ctx.host_name)
         metrics = (MetricsRelay(self.api, self.run_id, self.out / METRICS_FILE, attempt=self.attempt,
                                 host_name=self.ctx.host_name) if self.index == METRICS_PROCESS_INDEX else None)
-        checkpoint_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else self.out / CHECKPOINTS_DIR
+        checkpoint_dir = self.out / CHECKPOINTS_DIR  # `run` refused a spec naming another (check_write_paths)
         reported_checkpoint: int | None = None
         cancel_at: float | None = None
         stop_reason: str | None = None  # set when the supervisor stops the process on purpose
