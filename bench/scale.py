@@ -319,39 +319,52 @@ def read_bandwidth(gib: int = 1, repeats: int = 5) -> dict:
     return {"read_gb_s": x.nbytes / read_s / 1e9, "scale_into_fresh_output_gb_s": 2 * x.nbytes / fresh_s / 1e9}
 
 
-def decode_breakdown(config, rows: int, repeats: int = 5) -> dict:
+def decode_breakdown(config, rows: int, repeats: int = 5) -> tuple[dict, dict]:
     """Seconds of the pieces one decode step of `rows` sequences is made of, each alone at the model's
-    shapes (random values): every layer's projections and MLP as plain matmuls, the vocabulary head,
-    and drawing the next token from [rows, vocab] logits (jax.random.categorical: a Gumbel draw per
-    vocabulary entry). What the step takes beyond their sum is the rest: attention over the cache,
-    norms, rotary, the cache update, the loop."""
+    shapes (random values) and computed as the engine computes them: every layer's projections and MLP
+    through the engine's `_linear` on [out, in] weights (its decode form, weight @ rows.T), the
+    vocabulary head the same way on the [V, D] embedding, and drawing the next token from [rows, vocab]
+    logits with the engine's `sample_tokens` (an inverse-CDF draw and the log-prob). What the step
+    takes beyond their sum is the rest: attention over the cache, norms, rotary, the cache update, the
+    loop. `layer_matmuls_gb_s` is the rate those matmuls read their weights at, to set beside the
+    machine's read bandwidth."""
     import jax
     import jax.numpy as jnp
 
+    from locojax.model.transformer import _linear
+    from locojax.rollout import SamplingConfig, sample_tokens
+
     key = jax.random.PRNGKey(0)
     width, heads, kv, head_dim, hidden = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
-    shapes = [(width, (heads + 2 * kv) * head_dim), (heads * head_dim, width), (width, 2 * hidden), (hidden, width)]
+    # q, k, v, o, gate, up, down of every layer, [out, in] as the model stores them.
+    shapes = [(heads * head_dim, width), (kv * head_dim, width), (kv * head_dim, width), (width, heads * head_dim),
+              (hidden, width), (hidden, width), (width, hidden)]
     layers = [jax.random.normal(key, shape, jnp.float32) * 0.01 for _ in range(config.n_layers) for shape in shapes]
     x = jax.random.normal(key, (rows, width), jnp.float32)
 
+    def project(x, w):
+        return _linear(x, w, jnp.float32, decode=True)
+
     @jax.jit
-    def body(x, weights):  # q/k/v, output, gate+up, down: each layer's weights read once, as decode does
-        for i in range(0, len(weights), 4):
-            q = x @ weights[i]
-            x = q[:, :heads * head_dim] @ weights[i + 1]
-            up = x @ weights[i + 2]
-            x = up[:, :hidden] @ weights[i + 3]
+    def body(x, weights):  # each layer's weights read once, in the order a decode step reads them
+        for i in range(0, len(weights), 7):
+            q, k, v = (project(x, weights[i + j]) for j in range(3))
+            x = x + project(q + jnp.tile(k + v, (1, heads // kv)), weights[i + 3]) * 1e-3
+            x = x + project(project(x, weights[i + 4]) * project(x, weights[i + 5]), weights[i + 6]) * 1e-3
         return x
 
-    head = jax.random.normal(key, (width, config.vocab_size), jnp.float32) * 0.01
+    head = jax.random.normal(key, (config.vocab_size, width), jnp.float32) * 0.01
     logits = jax.random.normal(key, (rows, config.vocab_size), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
-    draw = jax.jit(lambda k, z: jax.random.categorical(k, z, axis=-1))
-    pieces = {"layer_matmuls_s": _best_s(lambda: body(x, layers), repeats),
-              "head_matmul_s": _best_s(lambda: matmul(x, head), repeats),
-              "sampling_s": _best_s(lambda: draw(key, logits), repeats)}
+    sampling = SamplingConfig(max_new_tokens=1, temperature=1.0)
+    draw = jax.jit(lambda keys, z: sample_tokens(z, keys, sampling))
+    row_keys = jax.random.split(jax.random.key(0), rows)
+    layer_s = _best_s(lambda: body(x, layers), repeats)
+    pieces = {"layer_matmuls_s": layer_s,
+              "head_matmul_s": _best_s(lambda: jax.jit(project)(x, head), repeats),
+              "sampling_s": _best_s(lambda: draw(row_keys, logits), repeats)}
+    rates = {"layer_matmuls_gb_s": sum(w.nbytes for w in layers) / layer_s / 1e9}
     del layers, head
-    return pieces
+    return pieces, rates
 
 
 def measure_limits(paths, args) -> dict:
@@ -401,8 +414,8 @@ def measure_limits(paths, args) -> dict:
     bytes_per_step = weight_bytes + batch * mean_context * config.kv_bytes_per_token(4)
     decode_tokens_per_s = batch / decode_step_s
     roofline_tokens_per_s = bandwidth * batch / bytes_per_step
-    pieces = decode_breakdown(config, batch)
-    breakdown = {**pieces, "rest_s": decode_step_s - sum(pieces.values()),
+    pieces, rates = decode_breakdown(config, batch)
+    breakdown = {**pieces, "rest_s": decode_step_s - sum(pieces.values()), **rates,
                  "weight_read_floor_s": bytes_per_step / bandwidth,
                  "matmul_floor_s": 2 * param_count(config) * batch / matmul}
     return {"stream_bandwidth_gb_s": bandwidth / 1e9, "bandwidths": bandwidths,

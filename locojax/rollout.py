@@ -136,11 +136,42 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -
         scaled = logits / sampling.temperature
         truncated = truncate_logits(scaled, sampling.top_k, sampling.top_p)
         if key.ndim == 0:
-            tokens = jax.random.categorical(key, truncated, axis=-1)
+            uniform = jax.random.uniform(key, logits.shape[:1])
         else:
-            tokens = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, truncated)
+            uniform = jax.vmap(jax.random.uniform)(key)
+        tokens = draw_from_cdf(truncated, uniform)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens.astype(jnp.int32), logprobs
+
+
+_CDF_BLOCK = 128
+
+
+def draw_from_cdf(logits: jax.Array, uniform: jax.Array) -> jax.Array:
+    """One token per row of softmax(logits) ([B, V], -inf = never), by inverting its cumulative
+    distribution at `uniform` ([B] in [0, 1)): one random number per row.
+
+    jax.random.categorical draws a Gumbel number per vocabulary entry instead: 2.4M threefry draws a
+    step at 16 rows x 151,936 entries, 60 ms here against 2 ms for this. The cumulative sum is taken
+    in two levels (block totals, then within the chosen block of 128), which keeps it short and its
+    float32 rounding small. Only an entry with positive weight can be drawn."""
+    batch, vocab = logits.shape
+    blocks = -(-vocab // _CDF_BLOCK)
+    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # the top entry weighs 1
+    weights = jnp.pad(weights, ((0, 0), (0, blocks * _CDF_BLOCK - vocab))).reshape(batch, blocks, _CDF_BLOCK)
+    block_mass = weights.sum(axis=-1)  # [B, blocks]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    # 1 - u lies in (0, 1], so the target is positive and at most the total: the first block whose
+    # cumulative mass reaches it exists and has positive mass.
+    target = (1.0 - uniform) * block_cdf[:, -1]
+    block = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), blocks - 1)
+    inside = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [B, block]
+    before = jnp.take_along_axis(block_cdf - block_mass, block[:, None], axis=1)
+    reached = (before + jnp.cumsum(inside, axis=-1) >= target[:, None]) & (inside > 0)
+    # Rounding can leave the block's own sum a hair below the target: take its last positive entry then.
+    last_positive = _CDF_BLOCK - 1 - jnp.argmax((inside > 0)[:, ::-1], axis=-1)
+    offset = jnp.where(reached.any(axis=-1), jnp.argmax(reached, axis=-1), last_positive)
+    return block * _CDF_BLOCK + offset
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Hugging Face checkpoints: load a local Qwen3 / Llama directory into the NNX model, and export back.
 
 A directory holds `config.json` and either `model.safetensors` or a sharded
-`model.safetensors.index.json`. HF linear weights are [out, in]; ours are [in, (heads, head_dim)],
-so loading reshapes and transposes, and export does the inverse — the round trip is exact.
+`model.safetensors.index.json`. Linear weights are [out, in] on both sides (ours split the heads'
+axis into (heads, head_dim)), so loading and export only reshape — the round trip is exact.
 Nothing is downloaded: paths are local.
 """
 
@@ -100,21 +100,19 @@ Mapping = tuple[str, tuple[Any, ...], Callable[[np.ndarray], np.ndarray], Callab
 
 
 def _tensor_map(c: ModelConfig) -> list[Mapping]:
-    ident = (lambda a: a, lambda a: a)
-    linear = (lambda a: a.T, lambda a: a.T)  # [out, in] <-> [in, out]
+    ident = (lambda a: a, lambda a: a)  # linear weights are [out, in] on both sides
 
-    def heads_in(n):  # HF [n*Dh, D] -> ours [D, n, Dh]
-        return (lambda a: a.reshape(n, c.head_dim, c.d_model).transpose(2, 0, 1),
-                lambda a: a.transpose(1, 2, 0).reshape(n * c.head_dim, c.d_model))
+    def heads_in(n):  # HF [n*Dh, D] <-> ours [n, Dh, D]
+        return (lambda a: a.reshape(n, c.head_dim, c.d_model), lambda a: a.reshape(n * c.head_dim, c.d_model))
 
-    heads_out = (  # HF [D, H*Dh] -> ours [H, Dh, D]
-        lambda a: a.reshape(c.d_model, c.n_heads, c.head_dim).transpose(1, 2, 0),
-        lambda a: a.transpose(2, 0, 1).reshape(c.d_model, c.n_heads * c.head_dim),
+    heads_out = (  # HF [D, H*Dh] <-> ours [D, H, Dh]
+        lambda a: a.reshape(c.d_model, c.n_heads, c.head_dim),
+        lambda a: a.reshape(c.d_model, c.n_heads * c.head_dim),
     )
     rows: list[Mapping] = [("model.embed_tokens.weight", ("embed",), *ident),
                            ("model.norm.weight", ("final_norm", "weight"), *ident)]
     if not c.tie_embeddings:
-        rows.append(("lm_head.weight", ("lm_head",), *linear))
+        rows.append(("lm_head.weight", ("lm_head",), *ident))
     for i in range(c.n_layers):
         hf, ours = f"model.layers.{i}", ("layers", i)
         rows += [
@@ -124,9 +122,9 @@ def _tensor_map(c: ModelConfig) -> list[Mapping]:
             (f"{hf}.self_attn.k_proj.weight", (*ours, "attention", "k_proj"), *heads_in(c.n_kv_heads)),
             (f"{hf}.self_attn.v_proj.weight", (*ours, "attention", "v_proj"), *heads_in(c.n_kv_heads)),
             (f"{hf}.self_attn.o_proj.weight", (*ours, "attention", "o_proj"), *heads_out),
-            (f"{hf}.mlp.gate_proj.weight", (*ours, "mlp", "gate_proj"), *linear),
-            (f"{hf}.mlp.up_proj.weight", (*ours, "mlp", "up_proj"), *linear),
-            (f"{hf}.mlp.down_proj.weight", (*ours, "mlp", "down_proj"), *linear),
+            (f"{hf}.mlp.gate_proj.weight", (*ours, "mlp", "gate_proj"), *ident),
+            (f"{hf}.mlp.up_proj.weight", (*ours, "mlp", "up_proj"), *ident),
+            (f"{hf}.mlp.down_proj.weight", (*ours, "mlp", "down_proj"), *ident),
         ]
         if c.qk_norm:
             rows += [

@@ -7,7 +7,9 @@ are False) and causality by slot index. Rotary positions come in separately as `
 left-padded row's first real token sits at position 0 whatever slot it occupies.
 
 Parameters carry *logical* axis names in their `axes` metadata (`embed`, `heads`, `mlp`, ...);
-`locojax.model.sharding` maps them to mesh axes with one rules table.
+`locojax.model.sharding` maps them to mesh axes with one rules table. Every projection is stored
+[out, in] (the Hugging Face / PyTorch layout): a decode step multiplies each weight by a few rows,
+and XLA:CPU streams a weight whose contracted axis is contiguous 1.5-2x faster (`_linear`).
 
 Shapes: B batch, T new tokens this call, S cache slots, D d_model, H heads, K kv heads,
 G = H/K query heads per kv head, Dh head_dim, F d_ff, V vocab.
@@ -74,10 +76,19 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _project(x2: jax.Array, weight: jax.Array, dt) -> jax.Array:
-    """[N, D] @ [D, heads, Dh] as one 2-D matmul. Flattening batch and time first matters on
-    XLA:CPU: a 3-D einsum's backward contracts over both and ran ~20% slower (bench/grpo_step.py)."""
-    return x2 @ weight.astype(dt).reshape(weight.shape[0], -1)
+def _linear(x2: jax.Array, weight: jax.Array, dt, decode: bool = False) -> jax.Array:
+    """x2 [N, in] times a weight stored [out, in]: [N, out].
+
+    Flattening batch and time first matters on XLA:CPU: a 3-D einsum's backward contracts over both
+    and ran ~20% slower (bench/grpo_step.py). `decode` (a one-token step: N is the batch, a few
+    rows): computed as weight @ x2.T, which reads the weight row by row; asked for as x2 @ weight.T,
+    XLA:CPU ran the layers' matmuls 1.5x and the vocabulary head 2x slower at 16 rows. The
+    optimization barrier keeps the simplifier from folding the final (small) transpose back into
+    the dot. Not for training: nothing is differentiated through it."""
+    w = weight.astype(dt)
+    if decode:
+        return jax.lax.optimization_barrier(w @ x2.T).T
+    return x2 @ w.T
 
 
 @jax.custom_vjp
@@ -109,12 +120,12 @@ class Attention(nnx.Module):
         c = config
         self.config = config
         pd = c.param_dtype
-        self.q_proj = _param(rngs, (c.d_model, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), c.d_model, pd)
-        self.k_proj = _param(rngs, (c.d_model, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"),
+        self.q_proj = _param(rngs, (c.n_heads, c.head_dim, c.d_model), ("heads", "head_dim", "embed"), c.d_model, pd)
+        self.k_proj = _param(rngs, (c.n_kv_heads, c.head_dim, c.d_model), ("kv_heads", "head_dim", "embed"),
                              c.d_model, pd)
-        self.v_proj = _param(rngs, (c.d_model, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"),
+        self.v_proj = _param(rngs, (c.n_kv_heads, c.head_dim, c.d_model), ("kv_heads", "head_dim", "embed"),
                              c.d_model, pd)
-        self.o_proj = _param(rngs, (c.n_heads, c.head_dim, c.d_model), ("heads", "head_dim", "embed"),
+        self.o_proj = _param(rngs, (c.d_model, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"),
                              c.n_heads * c.head_dim, pd)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps, pd, "head_dim")
@@ -127,17 +138,19 @@ class Attention(nnx.Module):
         c = self.config
         dt = _dtype(c.dtype)
         b, t = x.shape[:2]
+        decode = layer_cache is not None and t == 1
         x2 = x.astype(dt).reshape(b * t, c.d_model)
-        k = _project(x2, self.k_proj[...], dt)
-        v = _project(x2, self.v_proj[...], dt)
+        k = _linear(x2, self.k_proj[...].reshape(-1, c.d_model), dt, decode)
+        v = _linear(x2, self.v_proj[...].reshape(-1, c.d_model), dt, decode)
         if query_slots is None:
-            q = _project(x2, self.q_proj[...], dt)
+            q = _linear(x2, self.q_proj[...].reshape(-1, c.d_model), dt, decode)
             sin_q, cos_q = sin, cos
         else:
             if layer_cache is not None:
                 raise ValueError("query_slots is for a full forward without a KV cache")
             start, stop = query_slots
-            q = _project(x[:, start:stop].astype(dt).reshape(-1, c.d_model), self.q_proj[...], dt)
+            q_rows = x[:, start:stop].astype(dt).reshape(-1, c.d_model)
+            q = _linear(q_rows, self.q_proj[...].reshape(-1, c.d_model), dt)
             sin_q, cos_q, mask = sin[:, start:stop], cos[:, start:stop], mask[:, start:stop]
         tq = q.shape[0] // b
         q = q.reshape(b, tq, c.n_heads, c.head_dim)  # [B, Tq, H, Dh]
@@ -161,9 +174,15 @@ class Attention(nnx.Module):
         scores = jnp.einsum("btkgh,bksh->bkgts", q, k.astype(dt)).astype(jnp.float32) * (c.head_dim**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b * tq, c.n_heads * c.head_dim)
-        o_proj = self.o_proj[...].astype(dt).reshape(c.n_heads * c.head_dim, c.d_model)
-        return (out @ o_proj).reshape(b, tq, c.d_model), layer_cache
+        if decode:
+            # One query per row: a multiply-and-sum over the slots, which XLA:CPU fuses into one pass over
+            # the values. As a dot it ran as a batched matmul of 2-row blocks, 8x slower than reading them.
+            out = jnp.sum(probs[:, :, :, 0, :, None] * v[:, :, None].astype(dt), axis=3, dtype=jnp.float32)
+            out = out.astype(dt)[:, None].reshape(b * tq, c.n_heads * c.head_dim)  # [B, K, G, Dh] -> [B, H*Dh]
+        else:
+            out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b * tq, c.n_heads * c.head_dim)
+        o_proj = self.o_proj[...].reshape(c.d_model, c.n_heads * c.head_dim)
+        return _linear(out, o_proj, dt, decode).reshape(b, tq, c.d_model), layer_cache
 
 
 class MLP(nnx.Module):
@@ -172,17 +191,17 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
         self.dtype = c.dtype
-        self.gate_proj = _param(rngs, (c.d_model, c.d_ff), ("embed", "mlp"), c.d_model, c.param_dtype)
-        self.up_proj = _param(rngs, (c.d_model, c.d_ff), ("embed", "mlp"), c.d_model, c.param_dtype)
-        self.down_proj = _param(rngs, (c.d_ff, c.d_model), ("mlp", "embed"), c.d_ff, c.param_dtype)
+        self.gate_proj = _param(rngs, (c.d_ff, c.d_model), ("mlp", "embed"), c.d_model, c.param_dtype)
+        self.up_proj = _param(rngs, (c.d_ff, c.d_model), ("mlp", "embed"), c.d_model, c.param_dtype)
+        self.down_proj = _param(rngs, (c.d_model, c.d_ff), ("embed", "mlp"), c.d_ff, c.param_dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, decode: bool = False):
         dt = _dtype(self.dtype)
         b, t, d = x.shape
         x2 = x.astype(dt).reshape(b * t, d)
-        gate = x2 @ self.gate_proj[...].astype(dt)
-        up = x2 @ self.up_proj[...].astype(dt)
-        return (_swiglu(gate, up) @ self.down_proj[...].astype(dt)).reshape(b, t, d)
+        gate = _linear(x2, self.gate_proj[...], dt, decode)
+        up = _linear(x2, self.up_proj[...], dt, decode)
+        return _linear(_swiglu(gate, up), self.down_proj[...], dt, decode).reshape(b, t, d)
 
 
 class DecoderLayer(nnx.Module):
@@ -199,7 +218,8 @@ class DecoderLayer(nnx.Module):
         if query_slots is not None:
             x = x[:, query_slots[0]:query_slots[1]]
         x = x + attended.astype(x.dtype)
-        x = x + self.mlp(self.post_attention_norm(x)).astype(x.dtype)
+        decode = layer_cache is not None and x.shape[1] == 1
+        x = x + self.mlp(self.post_attention_norm(x), decode).astype(x.dtype)
         return x, layer_cache
 
 
@@ -214,7 +234,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(c, rngs) for _ in range(c.n_layers)])
         self.final_norm = RMSNorm(c.d_model, c.norm_eps, c.param_dtype)
         if not c.tie_embeddings:
-            self.lm_head = _param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"), c.d_model, c.param_dtype)
+            self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.d_model, c.param_dtype)
 
     def __call__(
         self,
@@ -270,15 +290,15 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         if hidden_only:
             return x, new_cache
-        head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         b, t, d = x.shape
-        logits = (x.reshape(b * t, d) @ head.astype(x.dtype)).reshape(b, t, -1)
+        decode = cache is not None and t == 1
+        logits = _linear(x.reshape(b * t, d), self.head_rows(), x.dtype, decode).reshape(b, t, -1)
         return logits.astype(jnp.float32), new_cache
 
 
     def head_rows(self) -> jax.Array:
         """The output projection as [V, D] rows (the embedding when tied): logits = hidden @ rows.T."""
-        return self.embed[...] if self.config.tie_embeddings else self.lm_head[...].T
+        return self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
 
 
 @nnx.remat(static_argnums=(5,))

@@ -85,7 +85,7 @@ def test_sharded_forward_on_four_devices_equals_unsharded():
     mesh = make_mesh(fsdp=2, tensor=2)
     sharded_params = shard_state(params, mesh)
     q_proj = sharded_params["layers"][0]["attention"]["q_proj"][...]
-    assert len(q_proj.sharding.device_set) == 4 and q_proj.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    assert len(q_proj.sharding.device_set) == 4 and q_proj.sharding.spec == jax.sharding.PartitionSpec("tensor", None, "fsdp")
     place = batch_sharding(mesh, 2)
     out, _ = jit_forward(graphdef, sharded_params, jax.device_put(tokens, place), jax.device_put(positions, place),
                          jax.device_put(mask, place))

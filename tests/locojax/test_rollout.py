@@ -93,7 +93,9 @@ def test_logprobs_equal_a_fresh_forward_pass(temperature):
 
 def test_eos_stops_a_row_and_masks_what_follows():
     greedy = rollout(0.0, None).tokens
-    eos = int(greedy[0, 3])  # pretend row 0's fourth token is EOS
+    # Pretend EOS is the first token of row 0, from its fourth on, that the row has not emitted before.
+    stop = next(i for i in range(3, NEW_TOKENS) if greedy[0, i] not in greedy[0, :i])
+    eos = int(greedy[0, stop])
     result = rollout(0.0, eos)
     for row, tokens in enumerate(greedy):
         hits = np.flatnonzero(tokens == eos)
@@ -103,7 +105,7 @@ def test_eos_stops_a_row_and_masks_what_follows():
         assert (result.tokens[row, length:] == TOKENIZER.pad_id).all()
         np.testing.assert_array_equal(result.mask[row], np.arange(NEW_TOKENS) < length)
         assert (result.logprobs[row, length:] == 0).all()
-    assert result.lengths[0] == 4
+    assert result.lengths[0] == stop + 1
 
 
 def test_sampling_is_reproducible_per_key_and_varies_across_keys():

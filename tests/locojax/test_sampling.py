@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from locojax.rollout import SamplingConfig, rollout_key, sample_tokens, truncate_logits
+from locojax.rollout import SamplingConfig, draw_from_cdf, rollout_key, sample_tokens, truncate_logits
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0], np.float32)  # a tiny vocabulary, fixed logits
 DRAWS = 40_000
@@ -84,6 +84,32 @@ def test_the_chi_square_check_can_fail():
     counts = sample_counts(0.5, 0, 1.0)
     statistic, dof = chi_square(counts, expected_probs(LOGITS, 1.0, 0, 1.0))
     assert statistic > chi_square_critical(dof)
+
+
+def test_per_row_keys_over_several_cdf_blocks_match_the_softmax():
+    # What rollout does: one key per row, and a vocabulary of several 128-entry blocks (not a multiple
+    # of the block), with a run of -inf entries straddling a block boundary that must never be drawn.
+    vocab, draws = 300, 30_000
+    logits = np.random.default_rng(1).normal(size=vocab).astype(np.float32)
+    logits[120:140] = -np.inf
+    keys = jax.random.split(rollout_key(2, 0, 0), draws)
+    sampling = SamplingConfig(max_new_tokens=1, temperature=1.0)
+    tokens, _ = jax.jit(lambda k, z: sample_tokens(z, k, sampling))(keys, jnp.broadcast_to(logits, (draws, vocab)))
+    counts = np.bincount(np.asarray(tokens), minlength=vocab)
+    probs = np.exp(logits.astype(np.float64) - logits.max())
+    probs /= probs.sum()
+    assert counts[120:140].sum() == 0
+    statistic, dof = chi_square(counts, probs)
+    assert statistic < chi_square_critical(dof), statistic
+
+
+def test_cdf_draw_picks_the_entry_whose_mass_holds_the_uniform():
+    # Three equal weights: 1 - u in (2/3, 1] -> entry 2, (1/3, 2/3] -> entry 1, (0, 1/3] -> entry 0.
+    logits = jnp.zeros((4, 3))
+    uniform = jnp.array([0.0, 0.2, 0.5, 0.99])
+    np.testing.assert_array_equal(draw_from_cdf(logits, uniform), [2, 2, 1, 0])
+    masked = jnp.array([[0.0, -jnp.inf, 0.0, -jnp.inf]] * 2)  # never an entry of zero weight
+    np.testing.assert_array_equal(draw_from_cdf(masked, jnp.array([0.0, 0.9999999])), [2, 0])
 
 
 def test_truncation_keeps_the_top_token_and_ties():
