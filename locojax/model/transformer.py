@@ -132,13 +132,16 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps, pd, "head_dim")
 
     def __call__(self, x, sin, cos, mask, layer_cache: LayerCache | None, cache_index,
-                 query_slots: tuple[int, int] | None = None):
+                 query_slots: tuple[int, int] | None = None, decode: bool = False):
         """`query_slots` (start, stop), no cache only: keys and values of all T slots, but queries (and
-        so the output, [B, stop-start, D]) only for slots start..stop-1; `mask` is still [B, T, T]."""
+        so the output, [B, stop-start, D]) only for slots start..stop-1; `mask` is still [B, T, T].
+        `decode`: this is a one-token step on a cache (the caller decides it once for every layer)."""
         c = self.config
         dt = _dtype(c.dtype)
         b, t = x.shape[:2]
-        decode = layer_cache is not None and t == 1
+        if decode and (layer_cache is None or t != 1):
+            raise ValueError(f"decode is a one-token step on a KV cache, got {t} tokens "
+                             f"{'without' if layer_cache is None else 'with'} a cache")
         x2 = x.astype(dt).reshape(b * t, c.d_model)
         k = _linear(x2, self.k_proj[...].reshape(-1, c.d_model), dt, decode)
         v = _linear(x2, self.v_proj[...].reshape(-1, c.d_model), dt, decode)
@@ -213,14 +216,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, sin, cos, mask, layer_cache, cache_index, query_slots: tuple[int, int] | None = None):
+    def __call__(self, x, sin, cos, mask, layer_cache, cache_index, query_slots: tuple[int, int] | None = None,
+                 decode: bool = False):
         """`query_slots` (start, stop): the output is only slots start..stop-1 (see Attention)."""
         attended, layer_cache = self.attention(self.input_norm(x), sin, cos, mask, layer_cache, cache_index,
-                                               query_slots)
+                                               query_slots, decode)
         if query_slots is not None:
             x = x[:, query_slots[0]:query_slots[1]]
         x = x + attended.astype(x.dtype)
-        decode = layer_cache is not None and x.shape[1] == 1
         x = x + self.mlp(self.post_attention_norm(x), decode).astype(x.dtype)
         return x, layer_cache
 
@@ -274,6 +277,7 @@ class Transformer(nnx.Module):
         sin, cos = rope_angles(positions, c.head_dim, c.rope_theta, c.max_seq_len if cache is None else None)
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(c.dtype))  # [B, T, D]
+        decode = cache is not None and t == 1  # a one-token step: every matmul takes its decode form
         new_cache: Cache | None = [] if cache is not None else None
         if remat not in ("none", "full"):
             raise ValueError(f"remat must be 'none' or 'full', got {remat!r}")
@@ -284,7 +288,7 @@ class Transformer(nnx.Module):
             query_slots = output_slots if last else None
             if remat == "none":
                 x, layer_cache = layer(x, sin, cos, mask, None if cache is None else cache[i], cache_index,
-                                       query_slots)
+                                       query_slots, decode)
             else:
                 x, layer_cache = _remat_layer(layer, x, sin, cos, mask, query_slots)
             if new_cache is not None:
@@ -293,7 +297,6 @@ class Transformer(nnx.Module):
         if hidden_only:
             return x, new_cache
         b, t, d = x.shape
-        decode = cache is not None and t == 1
         logits = _linear(x.reshape(b * t, d), self.head_rows(), x.dtype, decode).reshape(b, t, -1)
         return logits.astype(jnp.float32), new_cache
 
