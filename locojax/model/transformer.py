@@ -139,9 +139,6 @@ class Attention(nnx.Module):
         c = self.config
         dt = _dtype(c.dtype)
         b, t = x.shape[:2]
-        if decode and (layer_cache is None or t != 1):
-            raise ValueError(f"decode is a one-token step on a KV cache, got {t} tokens "
-                             f"{'without' if layer_cache is None else 'with'} a cache")
         x2 = x.astype(dt).reshape(b * t, c.d_model)
         k = _linear(x2, self.k_proj[...].reshape(-1, c.d_model), dt, decode)
         v = _linear(x2, self.v_proj[...].reshape(-1, c.d_model), dt, decode)
