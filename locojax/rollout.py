@@ -244,10 +244,12 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, 
     def constrain(tree):
         return jax.lax.with_sharding_constraint(tree, batch_sharding)
 
-    # Prefill: the whole prompt in one pass, writing slots [0, P) of the cache.
+    # Prefill: the whole prompt in one pass, writing slots [0, P) of the cache. Only the last slot's
+    # logits are needed: the full [B, P, V] ones were 0.9 GB and 0.5 TFLOP at 0.6B (16 rows x 96 slots).
     cache = constrain(init_cache(config, batch, slots))
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, slots - prompt_len), bool)], axis=1)  # [B, S]
-    logits, cache = forward(graphdef, params, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache, 0)
+    logits, cache = forward(graphdef, params, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache, 0,
+                            output_slots=(prompt_len - 1, prompt_len))
     row_keys = constrain(jax.vmap(lambda row: jax.random.fold_in(key, row))(row_offset + jnp.arange(batch)))
     per_step = jax.vmap(jax.random.fold_in, in_axes=(0, None))  # row keys, token index -> [B] keys
     first, first_logprob = sample_tokens(logits[:, -1], per_step(row_keys, 0), sampling)  # last slot is real

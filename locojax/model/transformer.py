@@ -133,8 +133,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, sin, cos, mask, layer_cache: LayerCache | None, cache_index,
                  query_slots: tuple[int, int] | None = None, decode: bool = False):
-        """`query_slots` (start, stop), no cache only: keys and values of all T slots, but queries (and
-        so the output, [B, stop-start, D]) only for slots start..stop-1; `mask` is still [B, T, T].
+        """`query_slots` (start, stop): keys and values of all T slots (written to the cache when there
+        is one), but queries (and so the output, [B, stop-start, D]) only for slots start..stop-1;
+        `mask` is still [B, T, S].
         `decode`: this is a one-token step on a cache (the caller decides it once for every layer)."""
         c = self.config
         dt = _dtype(c.dtype)
@@ -146,8 +147,6 @@ class Attention(nnx.Module):
             q = _linear(x2, self.q_proj[...].reshape(-1, c.d_model), dt, decode)
             sin_q, cos_q = sin, cos
         else:
-            if layer_cache is not None:
-                raise ValueError("query_slots is for a full forward without a KV cache")
             start, stop = query_slots
             q_rows = x[:, start:stop].astype(dt).reshape(-1, c.d_model)
             q = _linear(q_rows, self.q_proj[...].reshape(-1, c.d_model), dt)
@@ -249,11 +248,11 @@ class Transformer(nnx.Module):
         remat: str = "none",
         hidden_only: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
-        """Logits [B, T, V]; with `output_slots` (start, stop) — static ints, no cache — only those of
-        slots start..stop-1, [B, stop-start, V]. Every layer but the last still runs on all T slots
-        (later slots attend to them); the last computes queries, MLP, norm and head for the output
-        slots alone. Same values as slicing the full logits, less work (training scores only the
-        completion's slots).
+        """Logits [B, T, V]; with `output_slots` (start, stop) — static ints — only those of slots
+        start..stop-1, [B, stop-start, V]. Every layer but the last still runs on all T slots (later
+        slots attend to them, and a cache gets all T keys and values); the last computes queries, MLP,
+        norm and head for the output slots alone. Same values as slicing the full logits, less work:
+        training scores only the completion's slots, and a prefill samples from the last slot alone.
 
         `remat` "full" (training, no cache): each layer is rematerialised, so its backward pass
         recomputes the layer from its input instead of keeping its activations. `hidden_only`: the
@@ -264,8 +263,8 @@ class Transformer(nnx.Module):
         s = kv_mask.shape[1]
         if output_slots is not None:
             start, stop = output_slots
-            if cache is not None or not 0 <= start < stop <= t:
-                raise ValueError(f"output_slots {output_slots} needs a full forward (no cache) over {t} slots")
+            if not 0 <= start < stop <= t:
+                raise ValueError(f"output_slots {output_slots} must satisfy 0 <= start < stop <= {t} (the new slots)")
         slots = cache_index + jnp.arange(t)  # cache slot of each query
         causal = jnp.arange(s)[None, :] <= slots[:, None]  # [T, S]
         mask = kv_mask[:, None, :] & causal[None, :, :]  # [B, T, S]

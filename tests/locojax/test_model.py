@@ -55,6 +55,14 @@ def test_prefill_then_cached_decode_equals_full_forward(tie):
     kv_mask = jnp.concatenate([mask, jnp.zeros((tokens.shape[0], 4), bool)], axis=1)
     logits, cache = jit_forward(graphdef, params, tokens[:, :prompt_len], positions[:, :prompt_len], kv_mask,
                                 cache, 0)
+    # A prefill that keeps only its last slot's logits (what rollout samples from) writes the same cache.
+    last, last_cache = jax.jit(forward, static_argnums=0, static_argnames="output_slots")(
+        graphdef, params, tokens[:, :prompt_len], positions[:, :prompt_len], kv_mask,
+        init_cache(config, tokens.shape[0], total + 4), 0, output_slots=(prompt_len - 1, prompt_len))
+    assert last.shape == (tokens.shape[0], 1, config.vocab_size)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(logits[:, -1:]), atol=1e-5)
+    for ours, theirs in zip(jax.tree.leaves(last_cache), jax.tree.leaves(cache)):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-6)
     pieces = [logits]
     for i in range(prompt_len, total):
         logits, cache = jit_forward(graphdef, params, tokens[:, i:i + 1], positions[:, i:i + 1], kv_mask, cache, i)
@@ -130,7 +138,7 @@ def test_output_slots_give_the_full_forwards_logits_and_gradients_for_those_slot
     for a, b in zip(jax.tree.leaves(part_grads), jax.tree.leaves(full_grads)):  # float32 rounding only
         assert np.abs(np.asarray(a - b)).max() <= 1e-5 * max(1.0, float(np.abs(np.asarray(b)).max()))
     with pytest.raises(ValueError, match="output_slots"):
-        forward(graphdef, params, tokens, positions, mask, init_cache(config, 3, 12), 0, (5, 11))
+        forward(graphdef, params, tokens, positions, mask, output_slots=(5, 13))
 
 
 def test_swiglu_gradient_equals_autodiff_of_silu_times_up():
