@@ -296,9 +296,11 @@ def decode_step_flops(model: ModelSize, batch: float, context: float) -> tuple[f
 
 def prefill_flops(model: ModelSize, batch: float, prompt_len: float, context: float) -> tuple[float, float]:
     """(parameter matmul, attention) FLOPs of prefilling `batch` prompts; each prompt token attends to
-    `context` tokens on average (prompt_len / 2 causally, every cache slot under dense static shapes)."""
+    `context` tokens on average (prompt_len / 2 causally, every cache slot under dense static shapes).
+    The head runs on each prompt's last slot alone (the only logits a rollout samples from)."""
     tokens = batch * prompt_len
-    return 2 * model.params * tokens, 4 * model.n_layers * model.attention_width * tokens * context
+    param_flops = 2 * (model.body_params * tokens + model.head_params * batch)
+    return param_flops, 4 * model.n_layers * model.attention_width * tokens * context
 
 
 def prefill_context(hardware: HardwareProfile, workload: WorkloadProfile) -> float:
