@@ -422,13 +422,13 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
             jax.block_until_ready(generate(params, tokens, mask, jax.random.PRNGKey(repeat + 1), 0))
             timings[new] = time.perf_counter() - start
         after = read_bandwidth(repeats=3)
-        bandwidth = (before["read_gb_s"] + after["read_gb_s"]) / 2 * 1e9
+        sample_bandwidth = (before["read_gb_s"] + after["read_gb_s"]) / 2 * 1e9
         step_s = (timings[args.new_tokens] - timings[1]) / (args.new_tokens - 1)
         samples.append({"read_gb_s_before": before["read_gb_s"], "read_gb_s_after": after["read_gb_s"],
                         "scale_into_fresh_output_gb_s": after["scale_into_fresh_output_gb_s"],
                         **{f"generate_{new}_s": seconds for new, seconds in timings.items()},
                         "decode_step_s": step_s,
-                        "decode_vs_roofline": (batch / step_s) / (bandwidth * batch / bytes_per_step)})
+                        "decode_vs_roofline": (batch / step_s) / (sample_bandwidth * batch / bytes_per_step)})
     del params
     bandwidth = max(max(sample["read_gb_s_before"], sample["read_gb_s_after"]) for sample in samples) * 1e9
     fastest = {new: min(sample[f"generate_{new}_s"] for sample in samples) for new in generates}
@@ -453,6 +453,11 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
             "params": param_count(config),
             "config": {k: getattr(config, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                                                        "head_dim", "d_ff", "tie_embeddings", "max_seq_len")}}
+
+
+def train_vs_matmul_peak(limits: dict, args, train_s: float) -> float:
+    """The train phase's model FLOP/s over the limits' measured matmul peak."""
+    return train_model_flops(limits, args) / train_s / (limits["matmul_peak_gflop_s"] * 1e9)
 
 
 def train_model_flops(limits: dict, args) -> float:
@@ -773,7 +778,7 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
         "decode_vs_roofline": limits["decode_vs_roofline"],
         "train_model_flops_per_step": model_flops,
         "train_s": train_s,
-        "train_vs_matmul_peak": model_flops / train_s / (limits["matmul_peak_gflop_s"] * 1e9),
+        "train_vs_matmul_peak": train_vs_matmul_peak(limits, args, train_s),
         "limits": limits,
         "rounds": rounds,
         "ratio_vs_peer": None,
@@ -818,14 +823,23 @@ def run_locojax(args, work: Path) -> dict:
     return result
 
 
-def rerun_limits(args) -> None:
-    """--limits-only: the limits phase again, into the existing --out. Its batch and lengths become this
-    run's (the limits must describe the same decode); train_vs_matmul_peak is recomputed from the rounds'
-    train time and the new matmul peak, and `limits_rerun` says when and under what load."""
+def load_recorded_run(args, flag: str) -> dict:
+    """The existing --out that `flag` adds to; its batch and lengths become this run's, so what is
+    measured now describes the same run."""
+    if not args.out.is_file():
+        raise SystemExit(f"{flag} adds to an existing {args.out}; run the full bench first")
     result = json.loads(args.out.read_text())
     batch = result["batch"]
     args.prompts, args.group = batch["prompts"], batch["group_size"]
     args.prompt_tokens, args.new_tokens = batch["max_prompt_tokens"], batch["max_new_tokens"]
+    return result
+
+
+def rerun_limits(args) -> None:
+    """--limits-only: the limits phase again, into the existing --out (`load_recorded_run`);
+    train_vs_matmul_peak is recomputed from the rounds' train time and the new matmul peak, and
+    `limits_rerun` says when and under what load."""
+    result = load_recorded_run(args, "--limits-only")
     paths = input_paths(args.work, args.model_preset)
     if not (paths["model"] / "config.json").is_file():
         raise SystemExit(f"--limits-only: no model in {paths['model']} (run the bench with --work first)")
@@ -833,8 +847,7 @@ def rerun_limits(args) -> None:
     limits = machine_limits(paths, args)
     result["limits"] = limits
     result["decode_vs_roofline"] = limits["decode_vs_roofline"]
-    result["train_vs_matmul_peak"] = (train_model_flops(limits, args) / result["train_s"]
-                                      / (limits["matmul_peak_gflop_s"] * 1e9))
+    result["train_vs_matmul_peak"] = train_vs_matmul_peak(limits, args, result["train_s"])
     result["limits_rerun"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "load_average_before": load_before, "load_average_after": os.getloadavg(),
                               "load_note": args.load_note}
@@ -849,13 +862,8 @@ def load_for_peer_only(args, work: Path) -> tuple[dict, str]:
     the JSONL and tokenizer are the --work directory's, or rebuilt from the seed where it lacks them."""
     from locojax.model import get_preset
 
-    if not args.out.is_file():
-        raise SystemExit(f"--peer-only adds to an existing {args.out}; run the full bench first")
-    result = json.loads(args.out.read_text())
-    batch = result["batch"]
-    args.prompts, args.group = batch["prompts"], batch["group_size"]
-    args.prompt_tokens, args.new_tokens = batch["max_prompt_tokens"], batch["max_new_tokens"]
-    args.remat = batch["remat"]
+    result = load_recorded_run(args, "--peer-only")
+    args.remat = result["batch"]["remat"]
     args.steps, args.seed = result["steps_completed"], result.get("seed", args.seed)
     recorded = result["limits"]["config"]
     preset = get_preset(args.model_preset)
