@@ -26,7 +26,9 @@ Modelling choices, each a plain physical statement:
   * DA: rollout of step t+1 overlaps training on step t (staleness 1), so a step is the longer of the
     two branches (the rollout hosts' CPUs score while their chips decode the next batch) plus the
     exposed weight push (PCIe out, a pipelined DCN broadcast, PCIe in + ICI all-gather: the slowest
-    link sets the time; three driver round trips) and the driver's other calls.
+    link sets the time; three driver round trips) and the driver's other calls. Where the two groups
+    share a machine's cores, the longer branch's tail runs on the cores the shorter one left idle
+    (`da_overlap_terms`).
   * CPU devices (the `local-cpu` profile; every term below is neutral on accelerator profiles): the
     engine's small models run far below a CPU's matmul peak and not at one rate, so the profile
     carries rates measured on the engine's own kernels (`locojax probe`), per model width: the
@@ -139,6 +141,11 @@ class Terms:
 
     def __add__(self, other: "Terms") -> "Terms":
         return Terms(self.device_s + other.device_s, _merge(self.host, other.host), _merge(self.network, other.network))
+
+    def scaled(self, factor: float) -> "Terms":
+        """This phase `factor` times over (or its `factor` part): device seconds and every count."""
+        return Terms(self.device_s * factor, {name: count * factor for name, count in self.host.items()},
+                     {name: count * factor for name, count in self.network.items()})
 
     def seconds(self, hardware: HardwareProfile) -> tuple[float, float, float]:
         """(device, host, network) seconds under `hardware`'s constants."""
@@ -574,18 +581,42 @@ def _estimate_da(model: ModelSize, hardware: HardwareProfile, workload: Workload
     coordination = Terms(host={"ray_call_s": DA_CALLS_PER_STEP})
 
     rollout_branch_s, train_branch_s = rollout_branch.total(hardware), train_branch.total(hardware)
-    longer = rollout_branch if rollout_branch_s >= train_branch_s else train_branch
-    critical = longer + weight_sync + coordination
+    rollout_longer = rollout_branch_s >= train_branch_s
+    longer, shorter = (rollout_branch, train_branch) if rollout_longer else (train_branch, rollout_branch)
+    overlapped = da_overlap_terms(hardware, longer, shorter, placement.hosts,
+                                  rollout_hosts if rollout_longer else train_hosts)
+    critical = overlapped + weight_sync + coordination
+    overlapped_s = overlapped.total(hardware)
     breakdown = {
         "rollout": rollout_s, "reward": rollout_branch_s - rollout_s,  # reward: the part decode does not hide
         "handoff": handoff.total(hardware), "train": train.total(hardware),
         "allreduce": allreduce.total(hardware), "weight_sync": weight_sync.total(hardware),
         "coordination": coordination.total(hardware),
         "overlap_hidden": -min(rollout_branch_s, train_branch_s),
+        # The longer branch's tail, run on the cores the shorter branch's hosts left idle.
+        "cores_freed": overlapped_s - max(rollout_branch_s, train_branch_s),
     }
     return _finish(placement, hardware, critical, breakdown, shape, breakdown["rollout"])
 
 
+
+
+def da_overlap_terms(hardware: HardwareProfile, longer: Terms, shorter: Terms, hosts: int, longer_hosts: int) -> Terms:
+    """DA: the two overlapped branches, each costed with every host busy (`longer`, `shorter`), as one
+    span that ends when the longer one does.
+
+    On a shared machine with more hosts than cores, the hosts wrap around the cores, train hosts first
+    (`locojax.launch.cores_for_host`), so rollout and train hosts share cores (4 hosts on 2 cores: one
+    of each on each core). Once the shorter branch is done its hosts sit idle until the weight push
+    (the driver waits for both), so the rest of the longer branch shares the cores only among its own
+    group's hosts: it runs `cpu_sharing(all hosts) / cpu_sharing(its hosts)` times faster (2 for 4
+    hosts on 2 cores; 1 while every host has a core of its own, and on dedicated hardware). The span
+    is T_short + (T_long - T_short) / speedup; at a speedup of 2, the sum of both branches' work.
+    """
+    speedup = cpu_sharing(hardware, hosts) / cpu_sharing(hardware, longer_hosts)
+    if speedup <= 1.0:
+        return longer
+    return shorter.scaled(1.0 - 1.0 / speedup) + longer.scaled(1.0 / speedup)
 
 
 @dataclasses.dataclass(frozen=True)

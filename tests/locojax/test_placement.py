@@ -479,3 +479,43 @@ def test_a_host_processs_fixed_device_costs_are_cpu_work_shared_beyond_the_cores
     assert phase_s("rollout", 4, cores=2) > phase_s("rollout", 4, cores=4) == pytest.approx(phase_s("rollout", 4, None))
     # Within the cores nothing is shared: 2 hosts on 2 cores cost what they cost on 4.
     assert phase_s("train", 2, cores=2) == pytest.approx(phase_s("train", 2, cores=4))
+
+
+@pytest.mark.parametrize("reward_s_per_sample,longer", [(2e-3, "rollout"), (0.0, "train")])
+def test_da_longer_branch_takes_the_cores_the_shorter_one_leaves_idle(reward_s_per_sample, longer):
+    """DA on the local CPU, 4 hosts on 2 cores: a rollout host and a train host share each core. Both
+    branches are costed with every host busy; once the shorter one is done its hosts idle until the
+    weight push, so the longer one's tail runs at a core per host, twice as fast. The span is then
+    T_short + (T_long - T_short) / 2. With a core per host (4 cores) nothing is freed."""
+    from locojax.placement.hardware import get_hardware
+    from locojax.placement.workloads import get_workload
+
+    model = ModelSize.from_config(PRESETS["tiny"])
+    workload = get_workload("arith").replace(reward_s_per_sample=reward_s_per_sample)
+
+    def estimate(hosts: int, cores: int):
+        hardware = get_hardware("local-cpu").replace(machine_cores=cores, decode_tokens_per_dispatch=None)
+        return estimate_step(model, hardware, workload, Placement("da", hosts, 1, 0.5))
+
+    def branches(parts) -> tuple[float, float, float]:
+        rollout_branch = parts["rollout"] + parts["reward"]
+        train_branch = parts["handoff"] + parts["train"] + parts["allreduce"]
+        return rollout_branch, train_branch, parts["weight_sync"] + parts["coordination"]
+
+    shared = estimate(4, cores=2)
+    rollout_branch, train_branch, after = branches(shared.breakdown)
+    assert (rollout_branch > train_branch) == (longer == "rollout")
+    short, long = sorted((rollout_branch, train_branch))
+    assert long > 1.1 * short  # a tail long enough for the freed cores to matter
+    assert shared.step_s == pytest.approx(short + (long - short) / 2 + after, rel=1e-9)
+    assert shared.breakdown["cores_freed"] == pytest.approx(-(long - short) / 2, rel=1e-9)
+    assert sum(shared.breakdown.values()) == pytest.approx(shared.step_s, rel=1e-9)
+    # The freed time is on the critical path the calibration fits (device, host and network alike).
+    assert shared.device_s + shared.host_s + shared.network_s == pytest.approx(shared.step_s, rel=1e-9)
+
+    own_cores = estimate(4, cores=4)
+    rollout_branch, train_branch, after = branches(own_cores.breakdown)
+    assert own_cores.breakdown["cores_freed"] == 0
+    assert own_cores.step_s == pytest.approx(max(rollout_branch, train_branch) + after, rel=1e-9)
+    # 2 hosts on 2 cores (the coordination benchmark's 2-host DA): a core each, nothing to free.
+    assert estimate(2, cores=2).breakdown["cores_freed"] == 0
