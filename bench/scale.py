@@ -11,9 +11,9 @@ What it runs, each round:
     RSS is its VmHWM, sampled while it runs; the engine prints its memory plan at start, parsed as `planned_gib`;
   * once, the same spec submitted over REST to `locojax up` (the embedded control plane), watched to
     SUCCEEDED; the engine process's peak RSS is its VmHWM;
-  * in a child process: the machine's matmul peak, and the engine's own decode kernel timed at 1 and N
-    new tokens, so decode time excludes prefill, 5 times, each between two reads of the machine's read
-    bandwidth (`measure_limits`: this VM's speed drifts within minutes).
+  * in a child process: the machine's matmul peak, and the engine's own decode loop timed alone (its
+    prefill run apart, untimed), 5 times, each between two reads of the machine's read bandwidth
+    (`measure_limits`: this VM's speed drifts within minutes).
 Figures: steady `step_s` (median of steps after the first, which compiles), `rollout_tokens_per_s`,
 `peak_rss_gib` vs `planned_gib`, `decode_vs_roofline` = decode tokens/s / (read bandwidth x batch / bytes
 read per decode step), with `limits.decode_breakdown` (what a decode step is made of),
@@ -42,6 +42,7 @@ with the memory estimate and MemAvailable recorded before it started either way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -370,23 +371,23 @@ def decode_breakdown(config, rows: int, repeats: int = 5) -> tuple[dict, dict]:
 
 
 def measure_limits(paths, args, repeats: int = 5) -> dict:
-    """Read bandwidth and matmul peak of this machine, and the engine's decode time per token
-    (generate at 1 and at N new tokens, the difference per token: prefill excluded), with what a decode
-    step is made of (`decode_breakdown`).
+    """Read bandwidth and matmul peak of this machine, and the engine's decode time per token, with what
+    a decode step is made of (`decode_breakdown`).
 
-    This VM's timings are noisy and skewed slow (prefill alone took 10.4-12.8 s in one run, and the
-    decode step, a difference of two such calls over 31 tokens, came out 0.18-0.37 s), so `repeats`
-    samples each time generate at 1 and N tokens between two reads of the bandwidth, and the figures
-    take the best of each, as `read_bandwidth` and `_best_s` do: decode step = (fastest N-token call -
-    fastest 1-token call) / (N - 1), against the highest bandwidth read. Every sample, with its own
-    ratio, is recorded, and `decode_vs_roofline_sample_range` is the lowest and highest of those."""
+    The decode loop is timed alone: the engine's prefill and decode halves jitted apart
+    (`make_prefill_and_decode_fns`, tested to sample what one generate call samples), the prefill run
+    untimed, then its N - 1 decode steps timed. Until stop 30 the step was the difference of a
+    1-token and an N-token generate call; prefill alone took 10-15 s there and varied by ~3 s, so
+    the difference over 31 tokens swung the ratio from 0.31 to 0.67. Each of `repeats` samples times
+    the loop between two reads of the bandwidth and keeps its own ratio; the figure is their median,
+    `decode_vs_roofline_sample_range` the lowest and highest."""
     import jax
     import numpy as np
 
     from locojax.model.config import param_count
     from locojax.model.hf import load_hf_checkpoint
     from locojax.placement.probe import measure_matmul_flops
-    from locojax.rollout import SamplingConfig, make_generate_fn
+    from locojax.rollout import SamplingConfig, make_prefill_and_decode_fns
     from locojax.spec import RolloutSpec
     from locojax.tokenizer import load_tokenizer
     from locojax.train import split_params
@@ -402,38 +403,40 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(10, 1000, (batch, args.prompt_tokens)).astype(np.int32)
     mask = np.ones((batch, args.prompt_tokens), bool)
-    generates = {}
-    for new in (1, args.new_tokens):
-        sampling = SamplingConfig.from_spec(RolloutSpec(max_new_tokens=new, max_prompt_tokens=args.prompt_tokens,
-                                                        temperature=1.0), tokenizer)
-        generates[new] = make_generate_fn(config, graphdef, sampling, args.prompt_tokens, batch,
-                                          tuple(jax.local_devices()))
-        jax.block_until_ready(generates[new](params, tokens, mask, jax.random.PRNGKey(0), 0))  # compiles
+    # No EOS: every row decodes all N tokens, so each sample times the same N - 1 steps.
+    sampling = dataclasses.replace(SamplingConfig.from_spec(RolloutSpec(
+        max_new_tokens=args.new_tokens, max_prompt_tokens=args.prompt_tokens, temperature=1.0), tokenizer), eos_id=None)
+    prefill, decode = make_prefill_and_decode_fns(config, graphdef, sampling, args.prompt_tokens, batch,
+                                                  tuple(jax.local_devices()))
+    jax.block_until_ready(decode(params, prefill(params, tokens, mask, jax.random.key(0))))  # compiles both
 
     weight_bytes = param_count(config) * 4
     mean_context = args.prompt_tokens + args.new_tokens / 2
     bytes_per_step = weight_bytes + batch * mean_context * config.kv_bytes_per_token(4)
+    decode_steps = args.new_tokens - 1
     samples = []
     for repeat in range(repeats):
         before = read_bandwidth(repeats=3)
-        timings = {}
-        for new, generate in generates.items():
-            start = time.perf_counter()
-            jax.block_until_ready(generate(params, tokens, mask, jax.random.PRNGKey(repeat + 1), 0))
-            timings[new] = time.perf_counter() - start
+        start = time.perf_counter()
+        state = jax.block_until_ready(prefill(params, tokens, mask, jax.random.key(repeat + 1)))
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        state = jax.block_until_ready(decode(params, state))
+        loop_s = time.perf_counter() - start
+        if int(state.step) != args.new_tokens:
+            raise RuntimeError(f"the decode loop stopped at token {int(state.step)} of {args.new_tokens}")
+        del state
         after = read_bandwidth(repeats=3)
         sample_bandwidth = (before["read_gb_s"] + after["read_gb_s"]) / 2 * 1e9
-        step_s = (timings[args.new_tokens] - timings[1]) / (args.new_tokens - 1)
+        step_s = loop_s / decode_steps
         samples.append({"read_gb_s_before": before["read_gb_s"], "read_gb_s_after": after["read_gb_s"],
                         "scale_into_fresh_output_gb_s": after["scale_into_fresh_output_gb_s"],
-                        **{f"generate_{new}_s": seconds for new, seconds in timings.items()},
-                        "decode_step_s": step_s,
+                        "prefill_s": prefill_s, "decode_loop_s": loop_s, "decode_step_s": step_s,
                         "decode_vs_roofline": (batch / step_s) / (sample_bandwidth * batch / bytes_per_step)})
     del params
-    bandwidth = max(max(sample["read_gb_s_before"], sample["read_gb_s_after"]) for sample in samples) * 1e9
-    fastest = {new: min(sample[f"generate_{new}_s"] for sample in samples) for new in generates}
-    decode_step_s = (fastest[args.new_tokens] - fastest[1]) / (args.new_tokens - 1)
-    ratios = [sample["decode_vs_roofline"] for sample in samples]
+    ratios = sorted(sample["decode_vs_roofline"] for sample in samples)
+    decode_step_s = statistics.median(sample["decode_step_s"] for sample in samples)
+    bandwidth = statistics.median((s["read_gb_s_before"] + s["read_gb_s_after"]) / 2 for s in samples) * 1e9
     decode_tokens_per_s = batch / decode_step_s
     roofline_tokens_per_s = bandwidth * batch / bytes_per_step
     pieces, rates = decode_breakdown(config, batch)
@@ -441,14 +444,16 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
                  "weight_read_floor_s": bytes_per_step / bandwidth,
                  "matmul_floor_s": 2 * param_count(config) * batch / matmul}
     return {"stream_bandwidth_gb_s": bandwidth / 1e9,
-            "bandwidth_note": ("stream_bandwidth_gb_s is the highest read bandwidth (a sum over 1 GiB, see "
-                               "read_bandwidth) of the reads around the decode samples; decode_samples holds each"),
+            "bandwidth_note": ("stream_bandwidth_gb_s is the median read bandwidth (a sum over 1 GiB, see "
+                               "read_bandwidth) around the decode samples, decode_step_s their median step; "
+                               "decode_vs_roofline is the median of the samples' own ratios (decode_samples)"),
             "matmul_peak_gflop_s": matmul / 1e9,
-            "decode_step_s": decode_step_s, "prefill_plus_one_token_s": fastest[1],
+            "decode_step_s": decode_step_s, "decode_steps_timed": decode_steps,
+            "prefill_s": statistics.median(sample["prefill_s"] for sample in samples),
             "decode_tokens_per_s": decode_tokens_per_s, "decode_bytes_per_step": bytes_per_step,
             "roofline_decode_tokens_per_s": roofline_tokens_per_s,
-            "decode_vs_roofline": decode_tokens_per_s / roofline_tokens_per_s,
-            "decode_vs_roofline_sample_range": [min(ratios), max(ratios)],
+            "decode_vs_roofline": statistics.median(ratios),
+            "decode_vs_roofline_sample_range": [ratios[0], ratios[-1]],
             "decode_samples": samples, "decode_breakdown": breakdown,
             "params": param_count(config),
             "config": {k: getattr(config, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -836,13 +841,17 @@ def load_recorded_run(args, flag: str) -> dict:
 
 
 def rerun_limits(args) -> None:
-    """--limits-only: the limits phase again, into the existing --out (`load_recorded_run`);
-    train_vs_matmul_peak is recomputed from the rounds' train time and the new matmul peak, and
+    """--limits-only: the limits phase again, into the existing --out (`load_recorded_run`), on --work's
+    model (built from the recorded seed where --work lacks it); train_vs_matmul_peak is recomputed from the rounds' train time and the new matmul peak, and
     `limits_rerun` says when and under what load."""
     result = load_recorded_run(args, "--limits-only")
     paths = input_paths(args.work, args.model_preset)
-    if not (paths["model"] / "config.json").is_file():
-        raise SystemExit(f"--limits-only: no model in {paths['model']} (run the bench with --work first)")
+    if not (paths["model"] / "config.json").is_file():  # deterministic in the seed: rebuilt, then checked
+        args.work.mkdir(parents=True, exist_ok=True)
+        paths = build_inputs(args.work, result.get("seed", args.seed), args.model_preset)
+    recorded_digests = result.get("inputs_sha256")
+    if recorded_digests and recorded_digests != input_digests(paths):
+        raise SystemExit(f"the JSONL or tokenizer in {args.work} differ from those {args.out} was measured with")
     load_before = os.getloadavg()
     limits = machine_limits(paths, args)
     result["limits"] = limits

@@ -234,8 +234,9 @@ def _completion_mask(tokens: jax.Array, eos_id: int | None) -> tuple[jax.Array, 
     return jnp.arange(n)[None, :] < lengths[:, None], lengths
 
 
-def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, config: ModelConfig,
-              sampling: SamplingConfig, batch_sharding: NamedSharding) -> RolloutResult:
+def _prefill(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, config: ModelConfig,
+             sampling: SamplingConfig, batch_sharding: NamedSharding) -> DecodeState:
+    """The prompt in one pass into a fresh KV cache, and the first sampled token: the decode loop's start."""
     batch, prompt_len = prompt_tokens.shape
     n = sampling.max_new_tokens
     slots = prompt_len + n - 1  # the last sampled token is never fed back into the cache
@@ -251,10 +252,8 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, 
     logits, cache = forward(graphdef, params, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache, 0,
                             output_slots=(prompt_len - 1, prompt_len))
     row_keys = constrain(jax.vmap(lambda row: jax.random.fold_in(key, row))(row_offset + jnp.arange(batch)))
-    per_step = jax.vmap(jax.random.fold_in, in_axes=(0, None))  # row keys, token index -> [B] keys
-    first, first_logprob = sample_tokens(logits[:, -1], per_step(row_keys, 0), sampling)  # last slot is real
-
-    state = DecodeState(
+    first, first_logprob = sample_tokens(logits[:, -1], _token_keys(row_keys, 0), sampling)  # last slot is real
+    return DecodeState(
         step=jnp.array(1, jnp.int32),
         cache=cache,
         kv_mask=kv_mask,
@@ -266,6 +265,16 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, 
         key=row_keys,
     )
 
+
+# Row keys and a token index -> that token's [B] keys.
+_token_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+
+
+def _decode(graphdef, params, state: DecodeState, *, prompt_len: int, sampling: SamplingConfig) -> DecodeState:
+    """One token per iteration from `_prefill`'s state until every row has emitted EOS or N tokens exist."""
+    batch, n = state.tokens.shape
+    eos = -1 if sampling.eos_id is None else sampling.eos_id
+
     def keep_going(state: DecodeState) -> jax.Array:
         return (state.step < n) & ~jnp.all(state.done)
 
@@ -274,7 +283,7 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, 
         kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((batch, 1), bool), (0, slot))
         logits, cache = forward(graphdef, params, state.last_token[:, None], state.position[:, None], kv_mask,
                                 state.cache, slot)
-        token, logprob = sample_tokens(logits[:, 0], per_step(state.key, state.step), sampling)
+        token, logprob = sample_tokens(logits[:, 0], _token_keys(state.key, state.step), sampling)
         # Rows that already finished keep emitting padding (their work is wasted but shapes stay static).
         token = jnp.where(state.done, sampling.pad_id, token)
         logprob = jnp.where(state.done, 0.0, logprob)
@@ -290,13 +299,36 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, 
             key=state.key,
         )
 
-    state = jax.lax.while_loop(keep_going, decode_one, state)
+    return jax.lax.while_loop(keep_going, decode_one, state)
+
+
+def _result(state: DecodeState, sampling: SamplingConfig) -> RolloutResult:
     mask, lengths = _completion_mask(state.tokens, sampling.eos_id)
     return RolloutResult(tokens=state.tokens, logprobs=jnp.where(mask, state.logprobs, 0.0), mask=mask,
                          lengths=lengths)
 
 
+def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, config: ModelConfig,
+              sampling: SamplingConfig, batch_sharding: NamedSharding) -> RolloutResult:
+    state = _prefill(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, config=config,
+                     sampling=sampling, batch_sharding=batch_sharding)
+    state = _decode(graphdef, params, state, prompt_len=prompt_tokens.shape[1], sampling=sampling)
+    return _result(state, sampling)
+
+
 GenerateFn = Callable[[nnx.State, jax.Array, jax.Array, jax.Array], RolloutResult]
+
+
+def _rollout_shardings(config: ModelConfig, sampling: SamplingConfig, prompt_len: int, batch: int,
+                       devices: tuple[jax.Device, ...] | None) -> tuple[NamedSharding, NamedSharding]:
+    """Checks the shapes; the batch's and the (replicated) params' shardings on `rollout_mesh`."""
+    if prompt_len < 1 or batch < 1:
+        raise ValueError(f"prompt_len and batch must be >= 1, got {prompt_len}, {batch}")
+    if prompt_len + sampling.max_new_tokens - 1 > config.max_seq_len:
+        raise ValueError(f"prompt_len + max_new_tokens - 1 = {prompt_len + sampling.max_new_tokens - 1} cache "
+                         f"slots exceed the model's max_seq_len {config.max_seq_len}")
+    mesh = rollout_mesh(batch, devices)
+    return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
 
 
 @functools.lru_cache(maxsize=32)
@@ -309,14 +341,7 @@ def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: Samp
     or uncommitted inputs are moved there by jit; params committed elsewhere must be placed with
     `jax.device_put(params, NamedSharding(mesh, PartitionSpec()))` first).
     """
-    if prompt_len < 1 or batch < 1:
-        raise ValueError(f"prompt_len and batch must be >= 1, got {prompt_len}, {batch}")
-    if prompt_len + sampling.max_new_tokens - 1 > config.max_seq_len:
-        raise ValueError(f"prompt_len + max_new_tokens - 1 = {prompt_len + sampling.max_new_tokens - 1} cache "
-                         f"slots exceed the model's max_seq_len {config.max_seq_len}")
-    mesh = rollout_mesh(batch, devices)
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharding, replicated = _rollout_shardings(config, sampling, prompt_len, batch, devices)
     body = functools.partial(_generate, graphdef, config=config, sampling=sampling, batch_sharding=batch_sharding)
     jitted = jax.jit(body, in_shardings=(replicated, batch_sharding, batch_sharding, replicated, replicated),
                      out_shardings=batch_sharding)
@@ -329,3 +354,28 @@ def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: Samp
         return jitted(params, prompt_tokens, prompt_mask, key, np.int32(row_offset))
 
     return generate
+
+
+def make_prefill_and_decode_fns(config: ModelConfig, graphdef: nnx.GraphDef, sampling: SamplingConfig,
+                                prompt_len: int, batch: int, devices: tuple[jax.Device, ...] | None = None):
+    """The two halves of `make_generate_fn`'s function, jitted apart, so the decode loop can be timed
+    without the prefill (bench/scale.py; the difference of two whole generate calls was dominated by
+    the prefill's noise on a shared CPU):
+
+        prefill(params, prompt_tokens, prompt_mask, key, row_offset=0) -> DecodeState
+        decode(params, state) -> DecodeState   (state is donated: the cache is updated in place)
+
+    The engine itself runs them in one computation (one dispatch per rollout). Same validation and
+    placement as `make_generate_fn`."""
+    batch_sharding, replicated = _rollout_shardings(config, sampling, prompt_len, batch, devices)
+    prefill_jitted = jax.jit(functools.partial(_prefill, graphdef, config=config, sampling=sampling,
+                                               batch_sharding=batch_sharding),
+                             in_shardings=(replicated, batch_sharding, batch_sharding, replicated, replicated))
+    decode = jax.jit(functools.partial(_decode, graphdef, prompt_len=prompt_len, sampling=sampling),
+                     donate_argnums=1)
+
+    def prefill(params, prompt_tokens, prompt_mask, key, row_offset: int = 0) -> DecodeState:
+        prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), batch_sharding)
+        return prefill_jitted(params, prompt_tokens, prompt_mask, key, np.int32(row_offset))
+
+    return prefill, decode

@@ -17,6 +17,7 @@ from locojax.rollout import (
     decode_completions,
     encode_prompts,
     make_generate_fn,
+    make_prefill_and_decode_fns,
     repeat_groups,
     rollout_key,
     rollout_mesh,
@@ -162,3 +163,20 @@ def test_samples_depend_on_the_global_row_not_on_how_the_batch_is_split():
     shifted = jax.device_get(make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, 4, (jax.devices()[0],))(
         params, tokens[:4], mask[:4], rollout_key(5, 0, 0), 4))
     assert not np.array_equal(shifted.tokens, halves[0].tokens), "the row offset must change the noise"
+
+
+def test_prefill_then_decode_apart_is_the_generate_the_engine_runs():
+    """bench/scale.py times the decode loop alone through the two halves jitted apart: they must sample
+    what one generate call samples (EOS on, so the loop's stop condition is exercised too)."""
+    graphdef, params = model()
+    eos = int(rollout(1.0, None, seed=3).tokens[0, 3])  # row 0 stops by its 4th token
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, eos_id=eos, pad_id=TOKENIZER.pad_id)
+    whole = rollout(1.0, eos, seed=3)
+    assert whole.lengths[0] <= 4 and (whole.lengths < NEW_TOKENS).any()
+    prefill, decode = make_prefill_and_decode_fns(CONFIG, graphdef, sampling, PROMPT_LEN, len(PROMPTS))
+    tokens, mask = prompts()
+    state = prefill(params, tokens, mask, rollout_key(3, 0, 0))
+    assert int(state.step) == 1, "prefill samples the first token only"
+    state = jax.device_get(decode(params, state))
+    np.testing.assert_array_equal(state.tokens, whole.tokens)
+    np.testing.assert_allclose(np.where(whole.mask, state.logprobs, 0.0), whole.logprobs, atol=1e-5)
