@@ -159,29 +159,38 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, sin_q, cos_q), apply_rope(k, sin, cos)
 
-        # Keys and values live head-major, [B, K, S, Dh], so the two attention matmuls read the
-        # cache in place; slot-major [B, S, K, Dh] made XLA:CPU transpose the whole cache twice per
-        # layer per decode step (1.5x slower rollout).
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
-        if layer_cache is not None:
+        q = q.reshape(b, tq, c.n_kv_heads, c.q_per_kv, c.head_dim)  # [B, Tq, K, G, Dh]
+        v = v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+        if layer_cache is None:
+            k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+            scores = jnp.einsum("btkgh,bksh->bkgts", q, k)
+        else:
+            # A cache keeps keys as [B, K, Dh, S] and values as [B, K, S, Dh], and both attention
+            # products are written as dot_generals with the few query rows (Tq x G) on the left:
+            # q [G, Dh] @ keys [Dh, S], then probs [G, S] @ values [S, Dh], each reading its cache
+            # in place with the slots as the long, contiguous axis. Keys slot-major like the values
+            # made XLA:CPU run the scores 2x slower (a batched dot with the cache on the left), and
+            # the same products as einsums let it put the cache on the left and contract over its
+            # second-minor axis, 4x slower still. At 0.6B and 16 rows this cut the decode step's
+            # attention from ~55 to ~35 ms (bench/scale.py).
             cache_k, cache_v = layer_cache
-            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, cache_index, 0))
+            k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 3, 1).astype(cache_k.dtype),
+                                             (0, 0, 0, cache_index))
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, cache_index, 0))
             layer_cache = (k, v)
-
-        q = q.reshape(b, tq, c.n_kv_heads, c.q_per_kv, c.head_dim)  # [B, Tq, K, G, Dh]
-        scores = jnp.einsum("btkgh,bksh->bkgts", q, k.astype(dt)).astype(jnp.float32) * (c.head_dim**-0.5)
+            q_rows = q.transpose(0, 2, 1, 3, 4).reshape(b, c.n_kv_heads, tq * c.q_per_kv, c.head_dim)
+            scores = jax.lax.dot_general(q_rows, k.astype(dt), (((3,), (2,)), ((0, 1), (0, 1))))
+            scores = scores.reshape(b, c.n_kv_heads, tq, c.q_per_kv, -1).transpose(0, 1, 3, 2, 4)
+        scores = scores.astype(jnp.float32) * (c.head_dim**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        if decode and c.q_per_kv > 1:
-            # With G >= 2 query heads per kv head, XLA:CPU runs probs @ values as a batched dot of
-            # G-row blocks, 2x slower than this multiply-and-sum over the slots (the whole decode
-            # step's attention: 98 -> 50 ms at 0.6B). With G = 1 the dot is a fast matrix-vector
-            # product, and the multiply-and-sum hit a reduction 30x slower, so G = 1 keeps the dot.
-            out = (probs[:, :, :, 0, :, None] * v[:, :, None].astype(dt)).sum(axis=3, dtype=jnp.float32)
-            out = out.astype(dt).reshape(b, c.n_heads * c.head_dim)  # [B, K, G, Dh] -> [B, H * Dh]
-        else:
+        if layer_cache is None:
             out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b * tq, c.n_heads * c.head_dim)
+        else:
+            p_rows = probs.transpose(0, 1, 3, 2, 4).reshape(b, c.n_kv_heads, tq * c.q_per_kv, -1)
+            out = jax.lax.dot_general(p_rows, v.astype(dt), (((3,), (2,)), ((0, 1), (0, 1))))  # [B, K, Tq*G, Dh]
+            out = out.reshape(b, c.n_kv_heads, tq, c.q_per_kv, c.head_dim).transpose(0, 2, 1, 3, 4)
+            out = out.reshape(b * tq, c.n_heads * c.head_dim)
         o_proj = self.o_proj[...].reshape(c.d_model, c.n_heads * c.head_dim)
         return _linear(out, o_proj, dt, decode).reshape(b, tq, c.d_model), layer_cache
 
@@ -309,10 +318,12 @@ def _remat_layer(layer: DecoderLayer, x, sin, cos, mask, query_slots):
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
-    """An empty KV cache: per layer, zeros [B, K, max_len, Dh]."""
+    """An empty KV cache: per layer, keys zeros [B, K, Dh, max_len] and values [B, K, max_len, Dh]
+    (see Attention for why the keys are transposed)."""
     dt = _dtype(dtype or config.dtype)
-    shape = (batch, config.n_kv_heads, max_len, config.head_dim)
-    return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(config.n_layers)]
+    keys = (batch, config.n_kv_heads, config.head_dim, max_len)
+    values = (batch, config.n_kv_heads, max_len, config.head_dim)
+    return [(jnp.zeros(keys, dt), jnp.zeros(values, dt)) for _ in range(config.n_layers)]
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
