@@ -840,6 +840,14 @@ def load_recorded_run(args, flag: str) -> dict:
     return result
 
 
+def source_commit() -> str:
+    """The checkout's commit, with "+changes" when the engine or the bench differ from it."""
+    def git(*command):
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--", "locojax", "bench/scale.py") else "")
+
+
 def rerun_limits(args) -> None:
     """--limits-only: the limits phase again, into the existing --out (`load_recorded_run`), on --work's
     model (built from the recorded seed where --work lacks it); train_vs_matmul_peak is recomputed from the rounds' train time and the new matmul peak, and
@@ -857,7 +865,7 @@ def rerun_limits(args) -> None:
     result["limits"] = limits
     result["decode_vs_roofline"] = limits["decode_vs_roofline"]
     result["train_vs_matmul_peak"] = train_vs_matmul_peak(limits, args, result["train_s"])
-    result["limits_rerun"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result["limits_rerun"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": source_commit(),
                               "load_average_before": load_before, "load_average_after": os.getloadavg(),
                               "load_note": args.load_note}
     _write(args.out, result)
