@@ -20,7 +20,9 @@ For each (workload, hosts, mode): median step time over the steady-state steps (
 WARMUP_STEPS, which compile and warm the reward's caches up, and the last one, which saves the final
 checkpoint), the median of that over
 `--rounds` runs with the run-to-run spread, and the device/host/network split, plus the ratios co_vs_sc
-(SC step / CO step) and da_vs_co (CO step / DA step; > 1 means DA is faster) per host count.
+(SC step / CO step) and da_vs_co (CO step / DA step; > 1 means DA is faster) per host count, and
+per run the hosts' spread in rollout, reward and train time (`host_spread`: the slowest host, the
+mean host and the wait for the straggler, which the placement model has no term for yet).
 Writes bench/results/coordination.json; the last line printed is `co_vs_sc_host_heavy_max_hosts=<x>`.
 """
 
@@ -168,11 +170,38 @@ def run_mode(workdir: Path, workload: str, mode: str, steps: int, prepared: dict
     summary = {key: statistics.median(r.get(key, 0.0) for r in steady) for key in SPLIT_KEYS}
     summary["median_step_s"] = summary["time/step"]
     summary["steps_measured"] = len(steady)
+    summary["host_spread"] = host_spread(rows, {r["step"] for r in steady})
     summary["wall_s"] = time.perf_counter() - start
     summary["settings"] = {"model": spec["model"], **WORKLOADS[workload]["rollout"], "placement": where}
     if keep_records:
         summary["spec"], summary["records"] = spec, rows
     return summary
+
+
+HOST_SPREAD_KEYS = ("time/rollout", "time/reward", "time/train")
+
+
+def host_spread(rows: list[dict], steps: set[int]) -> dict[str, dict[str, float]]:
+    """How far the hosts of one run were apart, per phase, over the steady steps: the median over
+    steps of the slowest host's time, of the mean host's, and of their difference (what a synchronous
+    step waits for the straggler). Only hosts that report the phase count; {} for a single host."""
+    by_step: dict[int, list[dict]] = {}
+    for row in rows:
+        if row["host"] != "all" and row["step"] in steps:
+            by_step.setdefault(row["step"], []).append(row)
+    spreads = {}
+    for key in HOST_SPREAD_KEYS:
+        slowest, mean = [], []
+        for hosts in by_step.values():
+            values = [h[key] for h in hosts if h.get(key)]
+            if len(values) > 1:
+                slowest.append(max(values))
+                mean.append(statistics.fmean(values))
+        if slowest:
+            spreads[key] = {"slowest_s": statistics.median(slowest), "mean_s": statistics.median(mean),
+                            "straggler_s": statistics.median(s - m for s, m in zip(slowest, mean)),
+                            "hosts": max(len(h) for h in by_step.values())}
+    return spreads
 
 
 def spread(values: list[float]) -> float:
@@ -226,6 +255,7 @@ def main() -> None:
                 steps = [r["median_step_s"] for r in mine]
                 modes[mode] = {**{key: statistics.median(r[key] for r in mine) for key in SPLIT_KEYS},
                                "settings": mine[0]["settings"], "spread": spread(steps),
+                               "host_spread_per_round": [r["host_spread"] for r in mine],
                                "rounds": [{key: r[key] for key in ("median_step_s", "steps_measured", "wall_s")}
                                           for r in mine]}
                 modes[mode]["median_step_s"] = modes[mode]["time/step"]

@@ -519,3 +519,18 @@ def test_da_longer_branch_takes_the_cores_the_shorter_one_leaves_idle(reward_s_p
     assert own_cores.step_s == pytest.approx(max(rollout_branch, train_branch) + after, rel=1e-9)
     # 2 hosts on 2 cores (the coordination benchmark's 2-host DA): a core each, nothing to free.
     assert estimate(2, cores=2).breakdown["cores_freed"] == 0
+
+
+def test_coordination_bench_reports_the_hosts_spread_over_the_steady_steps():
+    """bench/coordination.py's `host_spread`, which the README quotes for CO's straggler: the slowest and
+    the mean host per step, only over the steps it is given, only from per-host rows."""
+    from bench.coordination import host_spread
+
+    rows = [{"step": step, "host": host, "time/reward": 1.0 + host + 10 * (step == 0), "time/train": 2.0}
+            for step in range(3) for host in range(3)]
+    rows += [{"step": step, "host": "all", "time/reward": 99.0} for step in range(3)]  # the aggregate is not a host
+    spread = host_spread(rows, {1, 2})  # step 0 (a warm-up) is left out
+    assert spread["time/reward"] == {"slowest_s": 3.0, "mean_s": 2.0, "straggler_s": 1.0, "hosts": 3}
+    assert spread["time/train"]["straggler_s"] == 0.0
+    assert "time/rollout" not in spread  # no host reported it
+    assert host_spread([{"step": 1, "host": 0, "time/reward": 1.0}], {1}) == {}  # one host: no spread
