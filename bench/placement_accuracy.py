@@ -346,13 +346,16 @@ def main() -> None:
         args.workloads = list(dict.fromkeys(run["workload"] for run in runs))
         source = f"{raw['source']}; re-scored from {args.from_raw.name} (bench run of {raw['measured_at']})"
     else:
+        load_before_probe = os.getloadavg()
         probes = [run_probe(presets=PRESETS)]
+        probes[0]["load_average_before"], probes[0]["load_average_after"] = load_before_probe, os.getloadavg()
         probe_s = time.perf_counter() - started
         print(f"probe done in {probe_s:.0f} s", flush=True)
         if args.input:
             runs = runs_from_file(args.input)
             args.workloads = list(dict.fromkeys(run["workload"] for run in runs))
             source = f"measurements read from {args.input} (not measured in this run; no contention measured)"
+            probes[0]["runs_machine"] = json.loads(args.input.read_text(encoding="utf-8")).get("machine")
         else:
             runs = measure(args, probes)
             source = ("measured in this run (bench/coordination.py's run_mode, "
