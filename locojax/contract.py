@@ -82,6 +82,11 @@ THROUGHPUT_ROLLOUT_TOKENS = _define(
 THROUGHPUT_TRAIN_TOKENS = _define(
     "throughput/train_tokens_per_s", "tokens/s", "sum", "prompt+completion tokens trained / time/train")
 
+# --- memory: where the runtime reports it (accelerators; XLA:CPU reports nothing, so CPU runs carry none).
+MEMORY_DEVICE_PEAK = _define(
+    "memory/device_peak_gib", "GiB", "max",
+    "highest peak_bytes_in_use of this host's devices since the engine started, to set beside the memory plan")
+
 # --- rewards: every host scores equally many samples, so the mean of host means is the global
 # mean; reward/std aggregated as a mean of host stds is an approximation (it omits the spread
 # between host means).

@@ -25,7 +25,7 @@ import numpy as np
 from locojax.contract import (  # the names are defined once, in the jax-free contract
     ALL_HOSTS, Aggregation, COMPLETION_CLIPPED_FRAC, COMPLETION_LEN_MAX, COMPLETION_LEN_MEAN, DA_ROLLOUT_IDLE,
     DA_STALENESS, DA_TRAIN_IDLE, EVAL_ACCURACY, EVAL_CORRECT, EVAL_PASS_AT_K, EVAL_PASS_CORRECT, EVAL_PROMPTS,
-    EVAL_TIME, METRICS, RATIO_PARTS, Host, JsonlSink, LOSS_KL, LOSS_POLICY, LOSS_SFT, LOSS_TOTAL, MetricInfo, OPTIM_LR,
+    EVAL_TIME, MEMORY_DEVICE_PEAK, METRICS, RATIO_PARTS, Host, JsonlSink, LOSS_KL, LOSS_POLICY, LOSS_SFT, LOSS_TOTAL, MetricInfo, OPTIM_LR,
     POLICY_CLIP_FRAC, POLICY_ENTROPY, POLICY_GRAD_NORM, REWARD_FN_MEAN_PATTERN, REWARD_FRAC_ZERO_STD,
     REWARD_MEAN, REWARD_STD, Split, THROUGHPUT_ROLLOUT_TOKENS, THROUGHPUT_TRAIN_TOKENS, TIME_ADVANTAGE,
     TIME_CHECKPOINT, TIME_DEVICE, TIME_HOST, TIME_NETWORK, TIME_REWARD, TIME_ROLLOUT, TIME_STEP, TIME_TRAIN,
@@ -160,6 +160,16 @@ class PhaseTimer:
 
 def throughput(tokens: float, seconds: float) -> float:
     return float(tokens) / seconds if seconds > 0 else 0.0
+
+
+def device_memory_metrics(devices: Sequence[Any]) -> dict[str, float]:
+    """`memory/device_peak_gib`: the highest `peak_bytes_in_use` among `devices`, read from the runtime's
+    allocator (the figure the memory plan is a forecast of). Devices whose runtime reports no
+    statistics (XLA:CPU) contribute nothing; with none reporting, the metric is left out rather than
+    logged as 0."""
+    peaks = [stats["peak_bytes_in_use"] for device in devices
+             if (stats := device.memory_stats() or {}).get("peak_bytes_in_use") is not None]
+    return {MEMORY_DEVICE_PEAK: max(peaks) / 2**30} if peaks else {}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -150,6 +150,7 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
                 output = session.step(step, timer, where)
                 where(step, "metrics")
                 record = {k: float(v) for k, v in jax.device_get(dict(output.record)).items()}
+                record.update(m.device_memory_metrics(jax.local_devices()))
                 record.update(evaluation)  # every host evaluates at the same steps: the names agree
                 record[CANCEL_KEY] = float(cancel_requested(cancel_file))
                 with timer.network():

@@ -191,3 +191,24 @@ def test_console_sink_shows_step_reward_and_step_time():
     sink.close()
     text = out.getvalue()
     assert "3/10" in text and "0.250" in text and "0.500s" in text and "0.900" not in text
+
+
+class _ReportingDevice:
+    """A device whose runtime reports allocator statistics, as accelerators' do (XLA:CPU's report none)."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_device_memory_peak_is_the_highest_reported_peak_and_absent_where_nothing_reports():
+    gib = 2**30
+    devices = [_ReportingDevice({"peak_bytes_in_use": 3 * gib, "bytes_limit": 80 * gib}),
+               _ReportingDevice({"peak_bytes_in_use": 5 * gib // 2}), _ReportingDevice(None)]
+    assert m.device_memory_metrics(devices) == {"memory/device_peak_gib": 3.0}
+    assert m.METRICS["memory/device_peak_gib"].across_hosts == "max"
+    # XLA:CPU reports no allocator statistics: a CPU run logs no metric rather than a made-up 0.
+    if jax.devices()[0].memory_stats() is None:
+        assert m.device_memory_metrics(jax.devices()) == {}
