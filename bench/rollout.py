@@ -1,6 +1,11 @@
 """Rollout throughput: LoCoJAX's jitted while-loop sampler against Tunix's sampler, same run.
 
     .venv/bin/python bench/rollout.py            # -> bench/results/rollout.json
+    python3 bench/rollout.py --platform gpu --peer-python python3 --out bench/results/rollout_gpu.json
+
+On a GPU (`--platform gpu`) both sides run on the accelerator; `--peer-python` names a Python that
+already imports Tunix (a machine with no package index cannot build the peer venv). Where the peer
+cannot start there, LoCoJAX's rounds still run and `peer` says why it did not.
 
 Workload (issue 3): the `small` preset (d_model 256, 4 layers, 4 heads, 4 kv heads, head_dim 64,
 d_ff 1024, byte vocabulary padded to 384), float32, 64 prompts x 64 new tokens with no early stop,
@@ -188,10 +193,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="where both sides run (the peer inherits this process's JAX_PLATFORMS)")
+    parser.add_argument("--peer-python", default=None,
+                        help="a Python that imports Tunix already (default: the bench's own venv, built on first use)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # internal: run the peer side
     args = parser.parse_args()
-    # Both sides on the CPU (the peer inherits this environment): the comparison is one machine's cores.
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    # Both sides on one platform (the peer inherits this environment): the comparison is one machine's.
+    os.environ["JAX_PLATFORMS"] = {"cpu": "cpu", "gpu": "cuda"}[args.platform]
+    if args.platform == "gpu":
+        # The two processes share the one GPU: each takes what it uses, not 75% up front.
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if args.peer is not None:
         peer_main(json.loads(args.peer))
         return
@@ -212,7 +225,7 @@ def main() -> None:
     tokenizer = ByteTokenizer()
     batch, new_tokens, prompt_len = args.batch, args.new_tokens, args.prompt_len
 
-    peer_python = ensure_peer_venv()
+    peer_python = args.peer_python or ensure_peer_venv()
     peer_config = json.dumps({"prompts": prompts, "new_tokens": new_tokens, "prompt_len": prompt_len})
     peer = subprocess.Popen([str(peer_python), __file__, "--peer", peer_config], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -238,7 +251,10 @@ def main() -> None:
             raise RuntimeError(f"the Tunix peer exited with code {peer.wait()}")
         return json.loads(line)
 
-    peer_ready = peer_reply()
+    try:
+        peer_ready = peer_reply()
+    except RuntimeError as error:  # LoCoJAX's figures still count; the JSON says why there is no peer
+        peer_ready, peer_failure = None, str(error)
 
     def theirs(seed: int) -> tuple[float, int]:
         peer.stdin.write(f"run {seed}\n")
@@ -250,6 +266,8 @@ def main() -> None:
     load_before = os.getloadavg()
     for r in range(args.rounds):
         order = (("locojax", ours), ("peer", theirs)) if r % 2 == 0 else (("peer", theirs), ("locojax", ours))
+        if peer_ready is None:
+            order = (("locojax", ours),)
         row = {}
         for name, run in order:
             seconds, tokens = run(r)
@@ -257,21 +275,23 @@ def main() -> None:
                 raise RuntimeError(f"{name} produced {tokens} tokens, expected {batch * new_tokens}")
             row[name] = seconds
         rounds.append(row)
-        print(f"round {r}: locojax {row['locojax']:.3f}s  tunix {row['peer']:.3f}s", flush=True)
+        print(f"round {r}: " + "  ".join(f"{name} {seconds:.3f}s" for name, seconds in row.items()), flush=True)
     load_after = os.getloadavg()
-    peer.stdin.write("quit\n")
-    peer.stdin.flush()
-    peer.wait(timeout=60)
+    if peer_ready is not None:
+        peer.stdin.write("quit\n")
+        peer.stdin.flush()
+        peer.wait(timeout=60)
 
-    peak = matmul_peak_flops()
+    # On a GPU the small sizes time the launch, not the multiply.
+    peak = matmul_peak_flops((2048, 4096, 8192) if args.platform == "gpu" else (512, 1024, 2048))
     ours_s = statistics.median(row["locojax"] for row in rounds)
-    peer_s = statistics.median(row["peer"] for row in rounds)
+    peer_s = statistics.median(row["peer"] for row in rounds) if peer_ready is not None else None
     _, mask = encode_prompts(prompts, tokenizer, prompt_len)
     flops = model_flops([int(n) for n in mask.sum(axis=1)], new_tokens)
     result = {
         "locojax_tokens_per_s": batch * new_tokens / ours_s,
-        "peer_tokens_per_s": batch * new_tokens / peer_s,
-        "ratio_vs_peer": peer_s / ours_s,
+        "peer_tokens_per_s": batch * new_tokens / peer_s if peer_s else None,
+        "ratio_vs_peer": peer_s / ours_s if peer_s else None,
         "fraction_of_matmul_peak": flops / ours_s / peak,
         "locojax_model_flops_per_s": flops / ours_s,
         "matmul_peak_flops_per_s": peak,
@@ -279,21 +299,24 @@ def main() -> None:
         "workload": {"preset": "small", "dtype": SMALL["dtype"], "batch": batch, "new_tokens": new_tokens,
                      "prompt_slots": prompt_len, "early_stop": False, "temperature": 1.0, "task": "arith d1"},
         "rounds": rounds,
-        "first_call_s": {"locojax": our_first_call, "peer": peer_ready["first_call_s"]},
+        "first_call_s": {"locojax": our_first_call, "peer": peer_ready and peer_ready["first_call_s"]},
+        "peer_failure": None if peer_ready is not None else peer_failure,
         "machine": {"cpus": os.cpu_count(), "devices": len(jax.devices()), "jax": jax.__version__,
-                    "platform": jax.devices()[0].platform, "peer_platform": peer_ready["platform"],
-                    "peer_jax": peer_ready["jax"], "load_avg_1m_before": load_before[0],
+                    "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+                    "peer_platform": peer_ready and peer_ready["platform"],
+                    "peer_jax": peer_ready and peer_ready["jax"], "load_avg_1m_before": load_before[0],
                     "load_avg_1m_after": load_after[0]},
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     print(f"\n{'':28}{'tokens/s':>12}{'median s':>10}")
     print(f"{'locojax (while_loop)':28}{result['locojax_tokens_per_s']:12.0f}{ours_s:10.3f}")
-    print(f"{'tunix 0.1.7 Sampler':28}{result['peer_tokens_per_s']:12.0f}{peer_s:10.3f}")
+    if peer_s:
+        print(f"{'tunix 0.1.7 Sampler':28}{result['peer_tokens_per_s']:12.0f}{peer_s:10.3f}")
     print(f"model FLOP/s {flops / ours_s / 1e9:.1f} G of matmul peak {peak / 1e9:.1f} G "
-          f"= {result['fraction_of_matmul_peak']:.3f}; wrote {RESULTS.relative_to(ROOT)}")
-    print(f"ratio_vs_peer={result['ratio_vs_peer']:.2f}")
+          f"= {result['fraction_of_matmul_peak']:.3f}; wrote {args.out}")
+    print(f"ratio_vs_peer={result['ratio_vs_peer']:.2f}" if peer_s else f"ratio_vs_peer=None ({peer_failure})")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def make_spec(paths: dict[str, Path], args, name: str, output_dir: Path | None) 
     spec = {
         "name": name, "seed": args.seed,
         "model": {"checkpoint": str(paths["model"]), "tokenizer": str(paths["tokenizer"]),
-                  "dtype": "float32", "remat": args.remat},
+                  "dtype": args.dtype, "remat": args.remat},
         "task": {"name": "gsm8k", "path": str(paths["data"])},
         "rollout": {"prompts_per_step": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
                     "max_new_tokens": args.new_tokens, "temperature": 1.0},
@@ -154,7 +154,12 @@ def make_spec(paths: dict[str, Path], args, name: str, output_dir: Path | None) 
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    # The checkout first; a PYTHONPATH already set (packages carried to a machine without an index) after it.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
 
 
 PLAN_LINE = re.compile(r"memory plan per device .*?: peak ([0-9.]+) GiB")
@@ -172,7 +177,9 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
     # The last step saves the run's checkpoint (~7 GB of Orbax state here): step time excludes it.
     for row in rows:
         row["step_without_checkpoint_s"] = float(row["time/step"]) - float(row.get("time/checkpoint", 0.0))
+    device_peaks = [float(r["memory/device_peak_gib"]) for r in rows if "memory/device_peak_gib" in r]
     return {"steps_completed": len(by_step), "step_s": median("step_without_checkpoint_s"),
+            "peak_device_gib": max(device_peaks) if device_peaks else None,
             "checkpoint_s": max(float(r.get("time/checkpoint", 0.0)) for r in rows),
             "rollout_s": median("time/rollout"),
             "train_s": median("time/train"), "rollout_tokens_per_s": median("throughput/rollout_tokens_per_s"),
@@ -189,7 +196,8 @@ def run_cli(paths, args, work: Path, round_index: int) -> dict:
     logs.mkdir(exist_ok=True)
     # Peak RSS sampled from the child's VmHWM (`run_process`): wait4's ru_maxrss would carry this
     # process's own high-water mark (it timed the decode kernel on the loaded 0.6B model) into the child's.
-    done = run_process([sys.executable, "-m", "locojax.cli", "train", str(spec_path)], logs, timeout_s=7200)
+    done = run_process([sys.executable, "-m", "locojax.cli", "train", str(spec_path)], logs, timeout_s=7200,
+                       platform=args.platform)
     text = (logs / "stdout.log").read_text() + (logs / "stderr.log").read_text()
     if done["returncode"] != 0:
         raise RuntimeError(f"locojax train failed (status {done['returncode']}):\n{text[-3000:]}")
@@ -286,8 +294,9 @@ def machine_limits(paths, args) -> dict:
     code = ("import json, sys, types\nsys.path.insert(0, {root!r})\nfrom bench.scale import measure_limits\n"
             "print(json.dumps(measure_limits({paths!r}, types.SimpleNamespace(**{args!r}))))\n").format(
         root=str(ROOT), paths={k: str(v) for k, v in paths.items()},
-        args={k: getattr(args, k) for k in ("prompts", "group", "prompt_tokens", "new_tokens")})
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True)
+        args={k: getattr(args, k) for k in ("prompts", "group", "prompt_tokens", "new_tokens", "dtype", "platform")})
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=_env(JAX_PLATFORMS=JAX_PLATFORM[args.platform]))
     if done.returncode != 0:
         raise RuntimeError(f"measuring the machine's limits failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -322,7 +331,7 @@ def read_bandwidth(gib: int = 1, repeats: int = 5) -> dict:
     return {"read_gb_s": x.nbytes / read_s / 1e9, "scale_into_fresh_output_gb_s": 2 * x.nbytes / fresh_s / 1e9}
 
 
-def decode_breakdown(config, rows: int, repeats: int = 5) -> tuple[dict, dict]:
+def decode_breakdown(config, rows: int, repeats: int = 5, dtype: str = "float32") -> tuple[dict, dict]:
     """Seconds of the pieces one decode step of `rows` sequences is made of, each alone at the model's
     shapes (random values) and computed as the engine computes them: every layer's projections and MLP
     through the engine's `_linear` on [out, in] weights (its decode form, weight @ rows.T), the
@@ -337,16 +346,17 @@ def decode_breakdown(config, rows: int, repeats: int = 5) -> tuple[dict, dict]:
     from locojax.model.transformer import _linear
     from locojax.rollout import SamplingConfig, sample_tokens
 
-    key = jax.random.PRNGKey(0)
+    key, dt = jax.random.PRNGKey(0), jnp.dtype(dtype)
     width, heads, kv, head_dim, hidden = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
     # q, k, v, o, gate, up, down of every layer, [out, in] as the model stores them.
     shapes = [(heads * head_dim, width), (kv * head_dim, width), (kv * head_dim, width), (width, heads * head_dim),
               (hidden, width), (hidden, width), (width, hidden)]
-    layers = [jax.random.normal(key, shape, jnp.float32) * 0.01 for _ in range(config.n_layers) for shape in shapes]
-    x = jax.random.normal(key, (rows, width), jnp.float32)
+    layers = [(jax.random.normal(key, shape, jnp.float32) * 0.01).astype(dt)
+              for _ in range(config.n_layers) for shape in shapes]
+    x = jax.random.normal(key, (rows, width), jnp.float32).astype(dt)
 
     def project(x, w):
-        return _linear(x, w, jnp.float32, decode=True)
+        return _linear(x, w, dt, decode=True)
 
     @jax.jit
     def body(x, weights):  # each layer's weights read once, in the order a decode step reads them
@@ -356,8 +366,8 @@ def decode_breakdown(config, rows: int, repeats: int = 5) -> tuple[dict, dict]:
             x = x + project(project(x, weights[i + 4]) * project(x, weights[i + 5]), weights[i + 6]) * 1e-3
         return x
 
-    head = jax.random.normal(key, (config.vocab_size, width), jnp.float32) * 0.01
-    logits = jax.random.normal(key, (rows, config.vocab_size), jnp.float32)
+    head = (jax.random.normal(key, (config.vocab_size, width), jnp.float32) * 0.01).astype(dt)
+    logits = jax.random.normal(key, (rows, config.vocab_size), jnp.float32)  # the sampler draws in float32
     sampling = SamplingConfig(max_new_tokens=1, temperature=1.0)
     draw = jax.jit(lambda keys, z: sample_tokens(z, keys, sampling))
     row_keys = jax.random.split(jax.random.key(0), rows)
@@ -368,6 +378,17 @@ def decode_breakdown(config, rows: int, repeats: int = 5) -> tuple[dict, dict]:
     rates = {"layer_matmuls_gb_s": sum(w.nbytes for w in layers) / layer_s / 1e9}
     del layers, head
     return pieces, rates
+
+
+def matmul_peak(dtype: str, size: int, repeats: int = 5) -> float:
+    """FLOP/s of a jitted square matmul of random `dtype` values (on a GPU, float32 goes through
+    XLA's default precision, as the engine's own float32 matmuls do)."""
+    import jax
+    import jax.numpy as jnp
+
+    a, b = (jax.random.normal(jax.random.key(i), (size, size), jnp.float32).astype(dtype) for i in (0, 1))
+    matmul = jax.jit(jnp.matmul)
+    return 2 * size**3 / _best_s(lambda: matmul(a, b), repeats)
 
 
 def measure_limits(paths, args, repeats: int = 5) -> dict:
@@ -382,6 +403,7 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     the loop between two reads of the bandwidth and keeps its own ratio; the figure is their median,
     `decode_vs_roofline_sample_range` the lowest and highest."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from locojax.model.config import param_count
@@ -393,8 +415,12 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     from locojax.train import split_params
 
     paths = {k: Path(v) for k, v in paths.items()}
-    matmul = measure_matmul_flops(size=2048, repeats=5)
-    model = load_hf_checkpoint(paths["model"])
+    dtype, on_gpu = getattr(args, "dtype", "float32"), getattr(args, "platform", "cpu") == "gpu"
+    # On a GPU: the model's own dtype at a size that keeps the tensor cores busy past the launch;
+    # the same read at 4 GiB, so one call is ~1 ms and not its dispatch.
+    matmul = matmul_peak(dtype, 8192) if on_gpu else measure_matmul_flops(size=2048, repeats=5)
+    bandwidth_gib = 4 if on_gpu else 1
+    model = load_hf_checkpoint(paths["model"], dtype=dtype)
     config = model.config
     graphdef, params = split_params(model)
     del model
@@ -410,13 +436,14 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
                                                   tuple(jax.local_devices()))
     jax.block_until_ready(decode(params, prefill(params, tokens, mask, jax.random.key(0))))  # compiles both
 
-    weight_bytes = param_count(config) * 4
+    itemsize = np.dtype(jnp.dtype(dtype)).itemsize
+    weight_bytes = param_count(config) * itemsize
     mean_context = args.prompt_tokens + args.new_tokens / 2
-    bytes_per_step = weight_bytes + batch * mean_context * config.kv_bytes_per_token(4)
+    bytes_per_step = weight_bytes + batch * mean_context * config.kv_bytes_per_token(itemsize)
     decode_steps = args.new_tokens - 1
     samples = []
     for repeat in range(repeats):
-        before = read_bandwidth(repeats=3)
+        before = read_bandwidth(bandwidth_gib, repeats=3)
         start = time.perf_counter()
         state = jax.block_until_ready(prefill(params, tokens, mask, jax.random.key(repeat + 1)))
         prefill_s = time.perf_counter() - start
@@ -426,7 +453,7 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
         if int(state.step) != args.new_tokens:
             raise RuntimeError(f"the decode loop stopped at token {int(state.step)} of {args.new_tokens}")
         del state
-        after = read_bandwidth(repeats=3)
+        after = read_bandwidth(bandwidth_gib, repeats=3)
         sample_bandwidth = (before["read_gb_s"] + after["read_gb_s"]) / 2 * 1e9
         step_s = loop_s / decode_steps
         samples.append({"read_gb_s_before": before["read_gb_s"], "read_gb_s_after": after["read_gb_s"],
@@ -439,11 +466,14 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     bandwidth = statistics.median((s["read_gb_s_before"] + s["read_gb_s_after"]) / 2 for s in samples) * 1e9
     decode_tokens_per_s = batch / decode_step_s
     roofline_tokens_per_s = bandwidth * batch / bytes_per_step
-    pieces, rates = decode_breakdown(config, batch)
+    pieces, rates = decode_breakdown(config, batch, dtype=dtype)
     breakdown = {**pieces, "rest_s": decode_step_s - sum(pieces.values()), **rates,
                  "weight_read_floor_s": bytes_per_step / bandwidth,
                  "matmul_floor_s": 2 * param_count(config) * batch / matmul}
-    return {"stream_bandwidth_gb_s": bandwidth / 1e9,
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device_kind": device.device_kind, "jax": jax.__version__,
+            "dtype": dtype, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "stream_bandwidth_gb_s": bandwidth / 1e9,
             "bandwidth_note": ("stream_bandwidth_gb_s is the median read bandwidth (a sum over 1 GiB, see "
                                "read_bandwidth) around the decode samples, decode_step_s their median step; "
                                "decode_vs_roofline is the median of the samples' own ratios (decode_samples)"),
@@ -564,7 +594,8 @@ def peer_config(paths, args, peer_steps: int) -> dict:
     }
 
 
-def run_process(command: list[str], log_dir: Path, timeout_s: float, sample_s: float = 0.5) -> dict:
+def run_process(command: list[str], log_dir: Path, timeout_s: float, sample_s: float = 0.5,
+                platform: str = "cpu") -> dict:
     """Runs `command` in its own session, killed (with everything it started) after `timeout_s`.
 
     Peak RSS is the child's VmHWM, read every `sample_s` while it runs (a high-water mark, so only growth
@@ -576,7 +607,7 @@ def run_process(command: list[str], log_dir: Path, timeout_s: float, sample_s: f
     import threading
 
     stdout_path, stderr_path = log_dir / "stdout.log", log_dir / "stderr.log"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "JAX_PLATFORMS": JAX_PLATFORM[platform], "TF_CPP_MIN_LOG_LEVEL": "2"}
     timed_out, exited = threading.Event(), threading.Event()
     peak = [0]
     oom_before = _oom_kills()
@@ -769,7 +800,8 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
         "benchmark": "scale", "model": f"{args.model_preset} (exact config, random weights)", "mode": "co",
         "seed": args.seed,
         "batch": {"prompts": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
-                  "max_new_tokens": args.new_tokens, "dtype": "float32", "remat": args.remat},
+                  "max_new_tokens": args.new_tokens, "dtype": args.dtype, "remat": args.remat},
+        "platform": args.platform,
         "steps_completed": min(r["steps_completed"] for r in rounds),
         "step_s": statistics.median(step_times),
         "step_s_rounds": step_times,
@@ -779,6 +811,11 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
         "planned_gib": planned,
         "peak_rss_vs_plan": peak / planned if planned else None,
         "plan_line": rounds[0]["plan_line"],
+        # Accelerators: the allocator's own high-water mark (`memory/device_peak_gib`), the figure the
+        # plan forecasts there; the host RSS above is then the Python process, not the model.
+        "peak_device_gib": max((r.get("peak_device_gib") or 0.0) for r in rounds) or None,
+        "peak_device_vs_plan": (max((r.get("peak_device_gib") or 0.0) for r in rounds) / planned
+                                if planned and any(r.get("peak_device_gib") for r in rounds) else None),
         "rest": rest,
         "decode_vs_roofline": limits["decode_vs_roofline"],
         "train_model_flops_per_step": model_flops,
@@ -853,6 +890,9 @@ def rerun_limits(args) -> None:
     model (built from the recorded seed where --work lacks it); train_vs_matmul_peak is recomputed from the rounds' train time and the new matmul peak, and
     `limits_rerun` says when and under what load."""
     result = load_recorded_run(args, "--limits-only")
+    if result.get("platform", "cpu") != args.platform:
+        raise SystemExit(f"{args.out} was measured on {result.get('platform', 'cpu')}; its limits cannot come "
+                         f"from --platform {args.platform}")
     paths = input_paths(args.work, args.model_preset)
     if not (paths["model"] / "config.json").is_file():  # deterministic in the seed: rebuilt, then checked
         args.work.mkdir(parents=True, exist_ok=True)
@@ -864,8 +904,11 @@ def rerun_limits(args) -> None:
     limits = machine_limits(paths, args)
     result["limits"] = limits
     result["decode_vs_roofline"] = limits["decode_vs_roofline"]
-    result["train_vs_matmul_peak"] = train_vs_matmul_peak(limits, args, result["train_s"])
+    # The rounds' train time is of their dtype: against another dtype's matmul peak it means nothing.
+    same_dtype = result["batch"].get("dtype", "float32") == args.dtype
+    result["train_vs_matmul_peak"] = train_vs_matmul_peak(limits, args, result["train_s"]) if same_dtype else None
     result["limits_rerun"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": source_commit(),
+                              "dtype": args.dtype, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                               "load_average_before": load_before, "load_average_after": os.getloadavg(),
                               "load_note": args.load_note}
     _write(args.out, result)
@@ -910,6 +953,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--remat", choices=("none", "full"), default="full")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="model.dtype of the runs and of the limits phase's decode")
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="where the engine's processes run (JAX_PLATFORMS); figures are only compared within one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-rest", action="store_true", help="skip the run through `locojax up`")
     parser.add_argument("--rest-timeout", type=float, default=600.0)

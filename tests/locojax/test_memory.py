@@ -247,3 +247,38 @@ def test_fsdp_2_x_tensor_2_trains_like_pure_data_parallelism(tmp_path):
     lr = 3e-4 / 5  # OptimSpec's defaults: lr 3e-4 after 5 warmup steps, the first at a fifth
     for want, got in zip(jax.tree.leaves(adam_dp), jax.tree.leaves(adam_fs)):
         np.testing.assert_allclose(got, want, atol=0.5 * lr)
+
+
+def test_scale_bench_sets_the_device_peak_beside_the_plan_only_where_the_runtime_reports_one(tmp_path):
+    """bench/scale.py on a GPU compares the plan with the allocator's `memory/device_peak_gib`; on the
+    CPU (no allocator statistics) that figure is absent and host RSS stays the comparison."""
+    import json
+    import types
+
+    from bench import scale
+
+    def metrics(peaks):
+        rows = [{"step": s, "host": "all", "time/step": 1.0, "time/rollout": 0.4, "time/train": 0.5,
+                 "throughput/rollout_tokens_per_s": 10.0, **({"memory/device_peak_gib": p} if p else {})}
+                for s, p in enumerate(peaks)]
+        path = tmp_path / f"metrics-{len(peaks)}-{peaks[0]}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    on_gpu = scale.step_figures(metrics([6.0, 7.5, 7.0]), steps=3)
+    on_cpu = scale.step_figures(metrics([None, None, None]), steps=3)
+    assert on_gpu["peak_device_gib"] == 7.5 and on_cpu["peak_device_gib"] is None
+
+    args = types.SimpleNamespace(prompts=4, group=4, prompt_tokens=96, new_tokens=32, dtype="float32",
+                                 remat="full", platform="gpu", seed=0, model_preset="qwen3-0.6b", load_note="")
+    limits = {"decode_vs_roofline": 0.5, "matmul_peak_gflop_s": 1000.0, "params": 1000,
+              "config": {"vocab_size": 10, "d_model": 4, "n_layers": 1, "n_heads": 1, "head_dim": 4}}
+
+    def rounds(figures):
+        return [{**figures, "peak_rss_gib": 3.0, "planned_gib": 10.0, "plan_line": "memory plan per device"}]
+
+    gpu = scale.summarise(args, limits, rounds(on_gpu), None, (0.0, 0.0, 0.0), 1.0)
+    assert gpu["peak_device_vs_plan"] == pytest.approx(0.75) and gpu["platform"] == "gpu"
+    cpu = scale.summarise(args, limits, rounds(on_cpu), None, (0.0, 0.0, 0.0), 1.0)
+    assert cpu["peak_device_gib"] is None and cpu["peak_device_vs_plan"] is None
+    assert cpu["peak_rss_vs_plan"] == pytest.approx(0.3)
