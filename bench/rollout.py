@@ -301,6 +301,8 @@ def main() -> None:
         "rounds": rounds,
         "first_call_s": {"locojax": our_first_call, "peer": peer_ready and peer_ready["first_call_s"]},
         "peer_failure": None if peer_ready is not None else peer_failure,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout.strip() or None,
         "machine": {"cpus": os.cpu_count(), "devices": len(jax.devices()), "jax": jax.__version__,
                     "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
                     "peer_platform": peer_ready and peer_ready["platform"],
