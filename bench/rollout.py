@@ -299,6 +299,9 @@ def main() -> None:
         "workload": {"preset": "small", "dtype": SMALL["dtype"], "batch": batch, "new_tokens": new_tokens,
                      "prompt_slots": prompt_len, "early_stop": False, "temperature": 1.0, "task": "arith d1"},
         "rounds": rounds,
+        # (slowest - fastest) / median round of each side: how far one round can sit from the figure.
+        "spread": {name: (max(r[name] for r in rounds) - min(r[name] for r in rounds))
+                   / statistics.median(r[name] for r in rounds) for name in rounds[0]},
         "first_call_s": {"locojax": our_first_call, "peer": peer_ready and peer_ready["first_call_s"]},
         "peer_failure": None if peer_ready is not None else peer_failure,
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
