@@ -16,7 +16,9 @@ What it runs, each round:
     (`measure_limits`: this VM's speed drifts within minutes).
 Figures: steady `step_s` (median of steps after the first, which compiles), `rollout_tokens_per_s`,
 `peak_rss_gib` vs `planned_gib`, `decode_vs_roofline` = decode tokens/s / (read bandwidth x batch / bytes
-read per decode step), with `limits.decode_breakdown` (what a decode step is made of),
+read per decode step), with `limits.decode_breakdown` (what a decode step is made of), the same ratio at
+fewer rows (`limits.decode_by_rows`, --decode-rows) and `decode_vs_attainable` (the step against the
+larger of its bandwidth and matmul floors),
 `train_vs_matmul_peak` = the train phase's model FLOP/s / measured matmul peak.
 
 The peer (on by default; `--no-peer` skips it): after LoCoJAX's runs, never beside them (memory), and
@@ -294,7 +296,8 @@ def machine_limits(paths, args) -> dict:
     code = ("import json, sys, types\nsys.path.insert(0, {root!r})\nfrom bench.scale import measure_limits\n"
             "print(json.dumps(measure_limits({paths!r}, types.SimpleNamespace(**{args!r}))))\n").format(
         root=str(ROOT), paths={k: str(v) for k, v in paths.items()},
-        args={k: getattr(args, k) for k in ("prompts", "group", "prompt_tokens", "new_tokens", "dtype", "platform")})
+        args={k: getattr(args, k) for k in ("prompts", "group", "prompt_tokens", "new_tokens", "dtype", "platform",
+                                            "decode_rows")})
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=_env(JAX_PLATFORMS=JAX_PLATFORM[args.platform]))
     if done.returncode != 0:
@@ -401,7 +404,9 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     1-token and an N-token generate call; prefill alone took 10-15 s there and varied by ~3 s, so
     the difference over 31 tokens swung the ratio from 0.31 to 0.67. Each of `repeats` samples times
     the loop between two reads of the bandwidth and keeps its own ratio; the figure is their median,
-    `decode_vs_roofline_sample_range` the lowest and highest."""
+    `decode_vs_roofline_sample_range` the lowest and highest. `decode_by_rows`: the same, 3 samples each,
+    at the fewer rows of `args.decode_rows`, with which of the step's two floors is the higher
+    (`bound_by`): where it is the matmuls', the bandwidth roofline is not the limit at that row count."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -426,65 +431,91 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     del model
     tokenizer = load_tokenizer(paths["tokenizer"])
     batch = args.prompts * args.group
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(10, 1000, (batch, args.prompt_tokens)).astype(np.int32)
-    mask = np.ones((batch, args.prompt_tokens), bool)
     # No EOS: every row decodes all N tokens, so each sample times the same N - 1 steps.
     sampling = dataclasses.replace(SamplingConfig.from_spec(RolloutSpec(
         max_new_tokens=args.new_tokens, max_prompt_tokens=args.prompt_tokens, temperature=1.0), tokenizer), eos_id=None)
-    prefill, decode = make_prefill_and_decode_fns(config, graphdef, sampling, args.prompt_tokens, batch,
-                                                  tuple(jax.local_devices()))
-    jax.block_until_ready(decode(params, prefill(params, tokens, mask, jax.random.key(0))))  # compiles both
-
     itemsize = np.dtype(jnp.dtype(dtype)).itemsize
     weight_bytes = param_count(config) * itemsize
     mean_context = args.prompt_tokens + args.new_tokens / 2
-    bytes_per_step = weight_bytes + batch * mean_context * config.kv_bytes_per_token(itemsize)
     decode_steps = args.new_tokens - 1
-    samples = []
-    for repeat in range(repeats):
-        before = read_bandwidth(bandwidth_gib, repeats=3)
-        start = time.perf_counter()
-        state = jax.block_until_ready(prefill(params, tokens, mask, jax.random.key(repeat + 1)))
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        state = jax.block_until_ready(decode(params, state))
-        loop_s = time.perf_counter() - start
-        if int(state.step) != args.new_tokens:
-            raise RuntimeError(f"the decode loop stopped at token {int(state.step)} of {args.new_tokens}")
-        del state
-        after = read_bandwidth(bandwidth_gib, repeats=3)
-        sample_bandwidth = (before["read_gb_s"] + after["read_gb_s"]) / 2 * 1e9
-        step_s = loop_s / decode_steps
-        samples.append({"read_gb_s_before": before["read_gb_s"], "read_gb_s_after": after["read_gb_s"],
-                        "scale_into_fresh_output_gb_s": after["scale_into_fresh_output_gb_s"],
-                        "prefill_s": prefill_s, "decode_loop_s": loop_s, "decode_step_s": step_s,
-                        "decode_vs_roofline": (batch / step_s) / (sample_bandwidth * batch / bytes_per_step)})
-    del params
-    ratios = sorted(sample["decode_vs_roofline"] for sample in samples)
-    decode_step_s = statistics.median(sample["decode_step_s"] for sample in samples)
-    bandwidth = statistics.median((s["read_gb_s_before"] + s["read_gb_s_after"]) / 2 for s in samples) * 1e9
-    decode_tokens_per_s = batch / decode_step_s
-    roofline_tokens_per_s = bandwidth * batch / bytes_per_step
+
+    def step_bytes(rows: int) -> float:
+        return weight_bytes + rows * mean_context * config.kv_bytes_per_token(itemsize)
+
+    def floors(rows: int, bandwidth: float) -> dict:
+        """The two lower bounds on a decode step of `rows` sequences: reading the weights and the cache
+        once at the measured bandwidth, and the matmuls' FLOPs at the measured matmul peak."""
+        return {"weight_read_floor_s": step_bytes(rows) / bandwidth,
+                "matmul_floor_s": 2 * param_count(config) * rows / matmul}
+
+    def decode_samples(rows: int, repeats: int) -> list[dict]:
+        """`repeats` timings of the decode loop of `rows` sequences, each between two bandwidth reads."""
+        tokens = np.random.default_rng(0).integers(10, 1000, (rows, args.prompt_tokens)).astype(np.int32)
+        mask = np.ones((rows, args.prompt_tokens), bool)
+        prefill, decode = make_prefill_and_decode_fns(config, graphdef, sampling, args.prompt_tokens, rows,
+                                                      tuple(jax.local_devices()))
+        jax.block_until_ready(decode(params, prefill(params, tokens, mask, jax.random.key(0))))  # compiles both
+        samples = []
+        for repeat in range(repeats):
+            before = read_bandwidth(bandwidth_gib, repeats=3)
+            start = time.perf_counter()
+            state = jax.block_until_ready(prefill(params, tokens, mask, jax.random.key(repeat + 1)))
+            prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            state = jax.block_until_ready(decode(params, state))
+            loop_s = time.perf_counter() - start
+            if int(state.step) != args.new_tokens:
+                raise RuntimeError(f"the decode loop stopped at token {int(state.step)} of {args.new_tokens}")
+            del state
+            after = read_bandwidth(bandwidth_gib, repeats=3)
+            sample_bandwidth = (before["read_gb_s"] + after["read_gb_s"]) / 2 * 1e9
+            step_s = loop_s / decode_steps
+            samples.append({"read_gb_s_before": before["read_gb_s"], "read_gb_s_after": after["read_gb_s"],
+                            "scale_into_fresh_output_gb_s": after["scale_into_fresh_output_gb_s"],
+                            "prefill_s": prefill_s, "decode_loop_s": loop_s, "decode_step_s": step_s,
+                            "decode_vs_roofline": (rows / step_s) / (sample_bandwidth * rows / step_bytes(rows))})
+        return samples
+
+    def summary(rows: int, samples: list[dict]) -> dict:
+        ratios = sorted(sample["decode_vs_roofline"] for sample in samples)
+        step_s = statistics.median(sample["decode_step_s"] for sample in samples)
+        bandwidth = statistics.median((s["read_gb_s_before"] + s["read_gb_s_after"]) / 2 for s in samples) * 1e9
+        bounds = floors(rows, bandwidth)
+        return {"rows": rows, "decode_step_s": step_s, "decode_tokens_per_s": rows / step_s,
+                "stream_bandwidth_gb_s": bandwidth / 1e9, "decode_vs_roofline": statistics.median(ratios),
+                "decode_vs_roofline_sample_range": [ratios[0], ratios[-1]], **bounds,
+                "bound_by": "weights" if bounds["weight_read_floor_s"] >= bounds["matmul_floor_s"] else "matmuls",
+                "decode_vs_attainable": max(bounds.values()) / step_s}
+
+    samples = decode_samples(batch, repeats)
+    main = summary(batch, samples)
+    # Fewer rows than the rollout's: below the ridge (where the matmul floor falls under the weight
+    # read), the step is bound by reading the weights whatever the core count; at the rollout's rows
+    # a CPU with few cores can be bound by its matmuls instead, where the roofline above is not the limit.
+    by_rows = [summary(rows, decode_samples(rows, 3)) for rows in getattr(args, "decode_rows", ()) if rows < batch]
     pieces, rates = decode_breakdown(config, batch, dtype=dtype)
-    breakdown = {**pieces, "rest_s": decode_step_s - sum(pieces.values()), **rates,
-                 "weight_read_floor_s": bytes_per_step / bandwidth,
-                 "matmul_floor_s": 2 * param_count(config) * batch / matmul}
+    del params
+    breakdown = {**pieces, "rest_s": main["decode_step_s"] - sum(pieces.values()), **rates,
+                 **floors(batch, main["stream_bandwidth_gb_s"] * 1e9)}
     device = jax.devices()[0]
     return {"platform": device.platform, "device_kind": device.device_kind, "jax": jax.__version__,
             "dtype": dtype, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "stream_bandwidth_gb_s": bandwidth / 1e9,
+            "stream_bandwidth_gb_s": main["stream_bandwidth_gb_s"],
             "bandwidth_note": ("stream_bandwidth_gb_s is the median read bandwidth (a sum over 1 GiB, see "
                                "read_bandwidth) around the decode samples, decode_step_s their median step; "
                                "decode_vs_roofline is the median of the samples' own ratios (decode_samples)"),
             "matmul_peak_gflop_s": matmul / 1e9,
-            "decode_step_s": decode_step_s, "decode_steps_timed": decode_steps,
+            "decode_step_s": main["decode_step_s"], "decode_steps_timed": decode_steps,
             "prefill_s": statistics.median(sample["prefill_s"] for sample in samples),
-            "decode_tokens_per_s": decode_tokens_per_s, "decode_bytes_per_step": bytes_per_step,
-            "roofline_decode_tokens_per_s": roofline_tokens_per_s,
-            "decode_vs_roofline": statistics.median(ratios),
-            "decode_vs_roofline_sample_range": [ratios[0], ratios[-1]],
-            "decode_samples": samples, "decode_breakdown": breakdown,
+            "decode_tokens_per_s": main["decode_tokens_per_s"], "decode_bytes_per_step": step_bytes(batch),
+            "roofline_decode_tokens_per_s": main["stream_bandwidth_gb_s"] * 1e9 * batch / step_bytes(batch),
+            "decode_vs_roofline": main["decode_vs_roofline"],
+            "decode_vs_roofline_sample_range": main["decode_vs_roofline_sample_range"],
+            "decode_bound_by": main["bound_by"], "decode_vs_attainable": main["decode_vs_attainable"],
+            "attainable_note": ("decode_vs_attainable = the larger of the step's two floors (weight_read_floor_s, "
+                                "matmul_floor_s) / the measured step: the full roofline, min(matmul peak, "
+                                "bandwidth x intensity); decode_vs_roofline is its bandwidth half alone"),
+            "decode_samples": samples, "decode_by_rows": by_rows, "decode_breakdown": breakdown,
             "params": param_count(config),
             "config": {k: getattr(config, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                                                        "head_dim", "d_ff", "tie_embeddings", "max_seq_len")}}
@@ -944,6 +975,16 @@ def load_for_peer_only(args, work: Path) -> tuple[dict, str]:
     return result, source
 
 
+def _row_counts(text: str) -> tuple[int, ...]:
+    try:
+        rows = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--decode-rows takes comma-separated row counts, got {text!r}") from None
+    if any(count < 1 for count in rows):
+        raise argparse.ArgumentTypeError(f"--decode-rows counts must be >= 1, got {text!r}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
@@ -957,6 +998,9 @@ def main() -> None:
                         help="model.dtype of the runs and of the limits phase's decode")
     parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
                         help="where the engine's processes run (JAX_PLATFORMS); figures are only compared within one")
+    parser.add_argument("--decode-rows", type=_row_counts, default=(1, 4, 8),
+                        help="the limits phase also times decode at these row counts (comma-separated; those "
+                             "below prompts x group), to show where the step turns from weights- to matmul-bound")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-rest", action="store_true", help="skip the run through `locojax up`")
     parser.add_argument("--rest-timeout", type=float, default=600.0)
