@@ -829,7 +829,7 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
     planned = rounds[0]["planned_gib"]
     result = {
         "benchmark": "scale", "model": f"{args.model_preset} (exact config, random weights)", "mode": "co",
-        "seed": args.seed,
+        "seed": args.seed, "commit": source_commit(),
         "batch": {"prompts": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
                   "max_new_tokens": args.new_tokens, "dtype": args.dtype, "remat": args.remat},
         "platform": args.platform,

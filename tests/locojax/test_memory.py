@@ -282,3 +282,16 @@ def test_scale_bench_sets_the_device_peak_beside_the_plan_only_where_the_runtime
     cpu = scale.summarise(args, limits, rounds(on_cpu), None, (0.0, 0.0, 0.0), 1.0)
     assert cpu["peak_device_gib"] is None and cpu["peak_device_vs_plan"] is None
     assert cpu["peak_rss_vs_plan"] == pytest.approx(0.3)
+
+
+def test_scale_bench_decode_rows_option_names_itself_on_bad_input():
+    """--decode-rows (the limits phase's decode at fewer rows) takes comma-separated counts >= 1; anything
+    else is refused by argparse with the option's name, before the bench builds or loads a model."""
+    import argparse
+
+    from bench import scale
+
+    assert scale._row_counts("1, 4,8") == (1, 4, 8) and scale._row_counts("") == ()
+    for bad in ("4,x", "0,4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--decode-rows"):
+            scale._row_counts(bad)
