@@ -918,8 +918,9 @@ def source_commit() -> str:
 
 def rerun_limits(args) -> None:
     """--limits-only: the limits phase again, into the existing --out (`load_recorded_run`), on --work's
-    model (built from the recorded seed where --work lacks it); train_vs_matmul_peak is recomputed from the rounds' train time and the new matmul peak, and
-    `limits_rerun` says when and under what load."""
+    model (built from the recorded seed where --work lacks it); train_vs_matmul_peak is recomputed from the
+    rounds' train time and the new matmul peak, and `limits_rerun` says when and under what load, and keeps
+    the full run's own pair (this VM's host can change between sessions, and the ratio then mixes two)."""
     result = load_recorded_run(args, "--limits-only")
     if result.get("platform", "cpu") != args.platform:
         raise SystemExit(f"{args.out} was measured on {result.get('platform', 'cpu')}; its limits cannot come "
@@ -932,6 +933,8 @@ def rerun_limits(args) -> None:
     if recorded_digests and recorded_digests != input_digests(paths):
         raise SystemExit(f"the JSONL or tokenizer in {args.work} differ from those {args.out} was measured with")
     load_before = os.getloadavg()
+    full_run = {"full_run_train_vs_matmul_peak": result.get("train_vs_matmul_peak"),
+                "full_run_matmul_peak_gflop_s": result.get("limits", {}).get("matmul_peak_gflop_s")}
     limits = machine_limits(paths, args)
     result["limits"] = limits
     result["decode_vs_roofline"] = limits["decode_vs_roofline"]
@@ -941,7 +944,9 @@ def rerun_limits(args) -> None:
     result["limits_rerun"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": source_commit(),
                               "dtype": args.dtype, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                               "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                              "load_note": args.load_note}
+                              "load_note": args.load_note, **full_run,
+                              "note": ("train_vs_matmul_peak pairs the full run's train time with this rerun's "
+                                       "matmul peak: it holds only on the host the full run used")}
     _write(args.out, result)
     print(json.dumps({k: result[k] for k in ("decode_vs_roofline", "train_vs_matmul_peak")}
                      | {"decode_vs_roofline_sample_range": limits["decode_vs_roofline_sample_range"]}, indent=2))
