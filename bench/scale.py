@@ -496,7 +496,7 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     pieces, rates = decode_breakdown(config, batch, dtype=dtype)
     del params
     breakdown = {**pieces, "rest_s": main["decode_step_s"] - sum(pieces.values()), **rates,
-                 **floors(batch, main["stream_bandwidth_gb_s"] * 1e9)}
+                 "weight_read_floor_s": main["weight_read_floor_s"], "matmul_floor_s": main["matmul_floor_s"]}
     device = jax.devices()[0]
     return {"platform": device.platform, "device_kind": device.device_kind, "jax": jax.__version__,
             "dtype": dtype, "xla_flags": os.environ.get("XLA_FLAGS", ""),
