@@ -213,9 +213,18 @@ def load_hf_checkpoint(directory: str | Path, dtype: str = "float32") -> Transfo
     return nnx.merge(graphdef, state)
 
 
+def row_major(x) -> np.ndarray:
+    """A host copy of `x` whose memory is in row-major (C) order.
+
+    On a TPU, `np.asarray` of a device array may return a column-major view (a (384, 64) float32 matrix
+    came back with strides (4, 1536)); a writer that takes the raw bytes of such a view (safetensors does)
+    stores the transpose's bytes under the original shape, and the model loads garbled."""
+    return np.ascontiguousarray(np.asarray(x))
+
+
 def save_hf_checkpoint(model: Transformer, directory: str | Path) -> Path:
     """Write `config.json` + `model.safetensors` that `transformers` (and `load_hf_checkpoint`) can read."""
-    from safetensors.flax import save_file
+    from safetensors.numpy import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -223,7 +232,9 @@ def save_hf_checkpoint(model: Transformer, directory: str | Path) -> Path:
     _, state = nnx.split(model)
     tensors = {}
     for hf_name, path, _, to_hf in _tensor_map(config):
-        tensors[hf_name] = jnp.asarray(np.ascontiguousarray(to_hf(np.asarray(_variable_at(state, path)[...]))))
+        # Host arrays, row-major after the reshape: handing device arrays to safetensors.flax would let it
+        # take the raw memory of whatever layout np.asarray returns (see `row_major`).
+        tensors[hf_name] = row_major(to_hf(row_major(_variable_at(state, path)[...])))
     (directory / "config.json").write_text(json.dumps(config_to_hf(config), indent=2), encoding="utf-8")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory

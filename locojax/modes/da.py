@@ -173,9 +173,11 @@ class TrainHost:
         """The current params as host arrays, in tree order (what rollout hosts load)."""
         import jax
 
+        from locojax.model.hf import row_major
         from locojax.modes.common import host_copy
 
-        return [np.asarray(host_copy(x)) for x in jax.tree.leaves(self.trainer.state.params)]
+        # Row-major copies: a TPU may hand back a column-major view (locojax.model.hf.row_major).
+        return [row_major(host_copy(x)) for x in jax.tree.leaves(self.trainer.state.params)]
 
     def version(self) -> int:
         import jax
