@@ -7,8 +7,8 @@ It holds
     across hosts (the timers and reporters that produce them live in `locojax.metrics`);
   * the run statuses of the control plane (DESIGN §7) and the engine's own end states;
   * the exit codes of `locojax train` / `locojax host`;
-  * the run-directory layout (`spec.yaml`, `metrics.jsonl`, `hosts/host<i>.json`, `result.json`,
-    `checkpoints/`, SFT's `model/`) with its readers and writers;
+  * the run-directory layout (`spec.yaml`, `metrics.jsonl`, `environment.json`, `tensorboard/`,
+    `hosts/host<i>.json`, `result.json`, `checkpoints/`, SFT's `model/`) with its readers and writers;
   * the message shapes the scheduler sends and the worker consumes.
 
 Records are flat: `{"step": 3, "host": 0, "time/step": 0.41, "reward/mean": 0.2, ...}`; `step` is
@@ -222,6 +222,11 @@ METRICS_FILE = "metrics.jsonl"  # host 0 writes every host's records and the "al
 # its host alone relays the run's metrics (and checkpoints), and the control plane takes metrics from no other.
 METRICS_PROCESS_INDEX = 0
 RESULT_FILE = "result.json"
+# What the run ran on and what it trained, written by host 0 at start (`EngineEnvironment`): a run
+# directory carried off a machine without the control plane (a TPU VM) says which hardware it measured.
+ENVIRONMENT_FILE = "environment.json"
+# TensorBoard event files: one directory per host (`host<i>`) and one for the aggregate (`all`).
+TENSORBOARD_DIR = "tensorboard"
 HOSTS_DIR = "hosts"  # hosts/host<i>.json: where host i is (step, phase, pid)
 CHECKPOINTS_DIR = "checkpoints"  # Orbax, unless spec.checkpoint.dir names another place
 EXPORT_DIR = "model"  # an SFT run's Hugging Face export, what a GRPO spec's model.checkpoint names
@@ -272,6 +277,74 @@ def read_result(out: Path) -> RunResult | None:
         return RunResult(**json.loads((out / RESULT_FILE).read_text(encoding="utf-8")))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEnvironment:
+    """What a run ran on and what it trained, as its host 0 saw them at start (`environment.json`).
+
+    `device_kind` is JAX's own name ("TPU v5 lite", "cpu"); `hardware` the placement catalog's profile
+    it maps to (`locojax.placement.hardware.hardware_for_device`), None when the catalog has none.
+    `model` holds the `ModelConfig` fields of the model the run trains (a checkpoint's own dimensions,
+    not the spec's preset name), so the cost model can price it without the checkpoint.
+    """
+
+    platform: str
+    device_kind: str
+    hardware: str | None
+    devices: int  # over every process of the run
+    local_devices: int
+    processes: int
+    device_memory_bytes: int | None  # one device's allocator limit, where the runtime reports it
+    model: dict[str, Any]
+    jax_version: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = ENVIRONMENT_FILE) -> "EngineEnvironment":
+        """Checked field by field: a file carried from another machine is input like any other."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: expected a JSON object")
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        types = {"platform": str, "device_kind": str, "hardware": (str, type(None)), "devices": int,
+                 "local_devices": int, "processes": int, "device_memory_bytes": (int, type(None)), "model": dict,
+                 "jax_version": str}
+        for name, expected in types.items():
+            if name not in data:
+                if fields[name].default is dataclasses.MISSING:
+                    raise ValueError(f"{where}: field {name!r} is missing")
+                continue
+            value = data[name]
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(f"{where}: field {name!r} has the wrong type ({type(value).__name__})")
+        for name in ("devices", "local_devices", "processes"):
+            if data[name] < 1:
+                raise ValueError(f"{where}: field {name!r} must be at least 1, got {data[name]}")
+        return cls(**dict(data))
+
+
+def write_environment(out: Path, environment: EngineEnvironment) -> None:
+    (out / ENVIRONMENT_FILE).write_text(json.dumps(environment.to_json(), indent=2), encoding="utf-8")
+
+
+def read_environment(out: Path) -> EngineEnvironment | None:
+    """The run's environment, or None when it has no `environment.json` (runs from before it existed);
+    a malformed file is a ValueError naming it."""
+    path = out / ENVIRONMENT_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg})") from None
+    return EngineEnvironment.from_json(data, str(path))
 
 
 def host_status_path(out: Path, host: int) -> Path:

@@ -33,13 +33,17 @@ from locojax.contract import (
     CHECKPOINTS_DIR,
     METRICS_FILE,
     SPEC_FILE,
+    TENSORBOARD_DIR,
     EngineStatus,
     HostStatus,
     RunResult,
     cancel_requested,
+    write_environment,
     write_result,
 )
+from locojax.environment import describe as describe_environment
 from locojax.spec import RunSpec, dump_spec
+from locojax.tensorboard import TensorBoardSink
 
 
 def output_dir(spec: RunSpec) -> Path:
@@ -55,6 +59,7 @@ def start_output(spec: RunSpec, host: int) -> Path:
     if host == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / SPEC_FILE).write_text(dump_spec(spec), encoding="utf-8")
+        write_environment(out, describe_environment(spec))
     return out
 
 
@@ -63,7 +68,7 @@ def make_logger(spec: RunSpec, out: Path, host: int, start_step: int, console: b
     """Host 0 writes the run's records (per host and aggregate) to metrics.jsonl and the console."""
     sinks = list(extra_sinks)
     if host == 0:
-        sinks = [m.JsonlSink(out / METRICS_FILE)] + sinks
+        sinks = [m.JsonlSink(out / METRICS_FILE), TensorBoardSink(out / TENSORBOARD_DIR)] + sinks
         if console:
             sinks.append(m.ConsoleSink(spec.steps, description=spec.name, start_step=start_step))
     return m.MetricsLogger(sinks)

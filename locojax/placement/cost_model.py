@@ -288,9 +288,15 @@ def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     # Rates measured on the engine's own kernels already include their memory traffic.
     memory_bound = memory_s >= compute_s and not hardware.rates_include_memory
     step_s = ((memory_s if memory_bound else compute_s)
-              + (batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s)
-              * cpu_sharing(hardware, busy_hosts))
+              + decode_step_fixed_s(model, hardware, batch) * cpu_sharing(hardware, busy_hosts))
     return RolloutShape(tensor_parallel, replicas, batch, waves, step_s, memory_bound)
+
+
+def decode_step_fixed_s(model: ModelSize, hardware: HardwareProfile, batch: float) -> float:
+    """Device time of one decode step (or the prefill's sampling) beside its matmuls and memory traffic:
+    per sequence (sampling over the vocabulary), per decoder layer (kernel latency) and per step."""
+    return (batch * hardware.decode_row_overhead_s + model.n_layers * hardware.decode_layer_overhead_s
+            + hardware.decode_step_overhead_s)
 
 
 # FLOP counts, shared with `locojax probe`, which fits the CPU rates against the same counts.
@@ -368,8 +374,7 @@ def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     if not hardware.rates_include_memory:
         prefill_compute_s = max(prefill_compute_s, weight_bytes / (tp * bandwidth))
     # Prefill also samples the first token; decode then runs gen_len - 1 steps for the rest.
-    prefill_s = prefill_compute_s + ((batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s)
-                                     * cpu_sharing(hardware, busy_hosts))
+    prefill_s = prefill_compute_s + decode_step_fixed_s(model, hardware, batch) * cpu_sharing(hardware, busy_hosts)
     device_s = hardware.device_time_scale * shape.waves * (prefill_s + (workload.gen_len - 1) * shape.decode_step_s)
 
     tokens_per_dispatch = hardware.decode_tokens_per_dispatch or workload.gen_len
