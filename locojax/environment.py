@@ -7,26 +7,13 @@ JAX, the checkpoint or the machine it ran on (`locojax calibration import`).
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import jax
 
 from locojax.contract import EngineEnvironment
-from locojax.model.config import ModelConfig, get_preset
 from locojax.placement.hardware import hardware_for_device
+from locojax.placement.memory import spec_model_config
 from locojax.spec import RunSpec
-
-
-def model_config(spec: RunSpec) -> ModelConfig:
-    """The config of the model the spec trains: a checkpoint's own `config.json`, else its preset."""
-    if spec.model.checkpoint:
-        from locojax.model.hf import config_from_hf
-
-        directory = Path(spec.model.checkpoint)
-        return config_from_hf(json.loads((directory / "config.json").read_text(encoding="utf-8")),
-                              name=directory.name, dtype=spec.model.dtype)
-    return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
 
 
 def device_memory_bytes(device: jax.Device) -> int | None:
@@ -38,7 +25,7 @@ def device_memory_bytes(device: jax.Device) -> int | None:
 
 def describe(spec: RunSpec) -> EngineEnvironment:
     device = jax.local_devices()[0]
-    config = model_config(spec)
+    config = spec_model_config(spec)
     return EngineEnvironment(
         platform=device.platform, device_kind=device.device_kind,
         hardware=hardware_for_device(device.device_kind, device.platform), devices=jax.device_count(),

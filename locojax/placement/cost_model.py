@@ -203,6 +203,7 @@ class ModelSize:
     # those alone (locojax.train: `output_slots`); 0 means "count every parameter on every token".
     head_params: int = 0
     lookup_params: int = 0
+    vocab_size: int = 0  # what sampling reads per sequence per decode step (0: unknown, no such cost)
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "ModelSize":
@@ -210,7 +211,7 @@ class ModelSize:
         return cls(name=config.name, params=param_count(config), n_layers=config.n_layers, d_model=config.d_model,
                    attention_width=config.n_heads * config.head_dim,
                    kv_values_per_token=config.kv_bytes_per_token(bytes_per_value=1),
-                   head_params=head, lookup_params=0 if config.tie_embeddings else head)
+                   head_params=head, lookup_params=0 if config.tie_embeddings else head, vocab_size=config.vocab_size)
 
     @property
     def body_params(self) -> int:
@@ -294,9 +295,10 @@ def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: Workloa
 
 def decode_step_fixed_s(model: ModelSize, hardware: HardwareProfile, batch: float) -> float:
     """Device time of one decode step (or the prefill's sampling) beside its matmuls and memory traffic:
-    per sequence (sampling over the vocabulary), per decoder layer (kernel latency) and per step."""
-    return (batch * hardware.decode_row_overhead_s + model.n_layers * hardware.decode_layer_overhead_s
-            + hardware.decode_step_overhead_s)
+    per sequence (sampling: a fixed part and a part per vocabulary entry), per decoder layer (kernel
+    latency) and per step."""
+    per_row = hardware.decode_row_overhead_s + model.vocab_size * hardware.decode_vocab_overhead_s
+    return batch * per_row + model.n_layers * hardware.decode_layer_overhead_s + hardware.decode_step_overhead_s
 
 
 # FLOP counts, shared with `locojax probe`, which fits the CPU rates against the same counts.

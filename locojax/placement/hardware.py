@@ -61,7 +61,8 @@ PCIE_BANDWIDTH = 15 * GB
 # The fields a per-width entry of `HardwareProfile.measured_rates` may set.
 RATE_FIELDS = ("peak_flops", "train_mfu", "decode_mfu", "prefill_mfu", "train_attention_efficiency",
                "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s",
-               "decode_layer_overhead_s", "train_step_overhead_s", "train_scored_token_overhead_s")
+               "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_step_overhead_s",
+               "train_scored_token_overhead_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,10 @@ class HardwareProfile:
     # is mostly made of, and which grows with the layers, not with the bytes. Assumed 0 until
     # calibration fits it from a profile's observations (`locojax.placement.calibration`).
     decode_layer_overhead_s: float = 0.0
+    # Device time per sequence per vocabulary entry per decode step: sampling reads, normalises and
+    # draws from a whole row of logits, so a 152k-entry vocabulary costs 400x a byte-level one. 0 until
+    # calibration fits it (`decode_row_overhead_s` is the probe's fixed per-sequence figure on a CPU).
+    decode_vocab_overhead_s: float = 0.0
     # Device time per scored (completion) slot of a training step beyond its matmuls: log-softmax
     # and entropy over the vocabulary, the taken token's log-prob, the last layer's work for those
     # slots; per device while every device is busy. 0 on accelerators, where it hides under the
@@ -170,7 +175,7 @@ class HardwareProfile:
         non_negative = ("ici_latency_s", "dcn_latency_s", "dispatch_s", "controller_round_trip_s",
                         "controller_round_trip_per_host_s", "reward_cpu_scale", "ray_call_s",
                         "decode_step_overhead_s", "train_step_overhead_s", "decode_row_overhead_s",
-                        "decode_layer_overhead_s", "train_scored_token_overhead_s")
+                        "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_scored_token_overhead_s")
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")

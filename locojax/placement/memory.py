@@ -266,13 +266,14 @@ def spec_model_config(spec) -> ModelConfig:
         import json
         from pathlib import Path
 
-        from locojax.model.hf import config_from_hf
+        from locojax.model.hf_config import config_from_hf
 
         config_file = Path(spec.model.checkpoint) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model.checkpoint: {config_file.parent} holds no config.json (expected a HF "
                                     "directory, e.g. <output_dir>/model of a finished SFT run)")
-        return config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), dtype=spec.model.dtype)
+        return config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), name=config_file.parent.name,
+                              dtype=spec.model.dtype)
     from locojax.model.config import get_preset
 
     return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
