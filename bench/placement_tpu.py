@@ -49,7 +49,7 @@ TASK = {"name": "gsm8k", "path": "/data/gsm8k.jsonl"}
 
 
 def bf16_config(preset: str) -> tuple[str, dict[str, Any]]:
-    return f"{preset}-bf16-remat-16x8-64+128", {
+    return f"{preset}-bf16-remat-16x8-64-128", {
         "model": {"preset": preset, "dtype": "bfloat16", "remat": "full"}, "task": TASK,
         "rollout": {"prompts_per_step": 16, "group_size": 8, "max_prompt_tokens": 64, "max_new_tokens": 128},
         "algo": {"kl_coef": 0.0}}
@@ -60,7 +60,7 @@ def f32_config(preset: str, rows: str) -> tuple[str, dict[str, Any]]:
         prompts, group = (int(part) for part in rows.lower().split("x"))
     except ValueError:
         raise SystemExit(f"--f32-rows: expected PROMPTSxGROUP such as 4x4, got {rows!r}") from None
-    return f"{preset}-f32-kl0-96+128-{prompts}x{group}", {
+    return f"{preset}-f32-kl0-96-128-{prompts}x{group}", {
         "model": {"preset": preset, "dtype": "float32", "remat": "full"}, "task": TASK,
         "rollout": {"prompts_per_step": prompts, "group_size": group, "max_prompt_tokens": 96, "max_new_tokens": 128},
         "algo": {"kl_coef": 0.0}}
