@@ -157,3 +157,21 @@ def test_placement_tpu_predicts_then_scores_without_touching_the_predictions(sma
     with pytest.raises(SystemExit, match="matches 0 predicted configuration"):
         placement_tpu.main(["score", str(other), "--output", str(output)])
     assert math.isfinite(scored["max_rel_error"])
+
+
+def test_recommend_prices_with_a_calibration_file(small_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from locojax.cli import app
+
+    output = tmp_path / "placement_tpu.json"
+    placement_tpu.main(["predict", *map(str, small_dirs), "--output", str(output)])
+    ask = ["recommend", "--model", "qwen3-0.6b", "--hardware", "tpu-v5e", "--chips", "1", "--chips-per-host", "1",
+           "--workload", "gsm8k", "--prompts-per-step", "16", "--group-size", "8", "--prompt-len", "64",
+           "--gen-len", "128", "--json"]
+    runner = CliRunner()
+    shipped = json.loads(runner.invoke(app, ask).stdout)["choice"]["step_time_s"]
+    fitted = json.loads(runner.invoke(app, [*ask, "--calibration", str(output)]).stdout)["choice"]["step_time_s"]
+    assert fitted != pytest.approx(shipped, rel=0.05)
+    mismatch = runner.invoke(app, [*ask[:4], "local-cpu", *ask[5:], "--calibration", str(output)])
+    assert mismatch.exit_code == c.EXIT_SPEC_ERROR and "fitted for tpu-v5e, not local-cpu" in mismatch.output
