@@ -44,7 +44,7 @@ from server.models import (
     utcnow,
 )
 from server.services import events
-from server.services.pagination import decode_cursor, encode_cursor
+from server.services import pagination
 from server.services.jsonable import jsonable
 
 log = logging.getLogger("locojax.calibration")
@@ -382,11 +382,7 @@ def list_observations(session: Session, *, hardware: str | None, limit: int, cur
     query = select(CalibrationObservation)
     if hardware is not None:
         query = query.where(CalibrationObservation.hardware == hardware)
-    if cursor:
-        query = query.where(CalibrationObservation.id < decode_cursor(cursor))
-    rows = list(session.scalars(query.order_by(CalibrationObservation.id.desc()).limit(limit + 1)))
-    next_cursor = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return rows[:limit], next_cursor
+    return pagination.page(session, query, CalibrationObservation.id, limit=limit, cursor=cursor)
 
 
 def set_excluded(session: Session, observation_id: int, excluded: bool, *, by: str | None) -> CalibrationObservation:

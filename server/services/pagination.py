@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+from typing import Any
+
+from sqlalchemy.orm import Session
 
 from server.errors import InvalidInputError
 
@@ -22,3 +25,12 @@ def decode_cursor(cursor: str) -> int:
         return last_id
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise InvalidInputError.for_field("cursor", "not a cursor returned by this API", code="INVALID_CURSOR") from None
+
+
+def page(session: Session, query: Any, id_column: Any, *, limit: int, cursor: str | None) -> tuple[list[Any], str | None]:
+    """One page of `query`'s rows, newest (highest id) first, and the cursor of the next page (None: the last)."""
+    if cursor:
+        query = query.where(id_column < decode_cursor(cursor))
+    rows = list(session.scalars(query.order_by(id_column.desc()).limit(limit + 1)))
+    next_cursor = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+    return rows[:limit], next_cursor

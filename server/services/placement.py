@@ -16,7 +16,7 @@ from server.errors import InvalidInputError, NotFoundError, UnavailableError
 from server.models import PlacementDecision
 from server.schemas import PlacementRecommendRequest
 from server.services import calibration as calibration_service
-from server.services.pagination import decode_cursor, encode_cursor
+from server.services import pagination
 from server.services.jsonable import jsonable
 
 
@@ -87,9 +87,4 @@ def get(session: Session, decision_id: int) -> PlacementDecision:
 
 
 def list_page(session: Session, *, limit: int, cursor: str | None) -> tuple[list[PlacementDecision], str | None]:
-    query = select(PlacementDecision)
-    if cursor:
-        query = query.where(PlacementDecision.id < decode_cursor(cursor))
-    rows = list(session.scalars(query.order_by(PlacementDecision.id.desc()).limit(limit + 1)))
-    next_cursor = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return rows[:limit], next_cursor
+    return pagination.page(session, select(PlacementDecision), PlacementDecision.id, limit=limit, cursor=cursor)

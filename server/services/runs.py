@@ -42,7 +42,7 @@ from server.models import (
     utcnow,
 )
 from server.services import calibration, events
-from server.services.pagination import decode_cursor, encode_cursor  # noqa: F401  (placement's pages use them too)
+from server.services import pagination
 from server.settings import Settings
 
 S = RunStatus
@@ -310,16 +310,12 @@ def list_page(session: Session, *, limit: int, cursor: str | None = None, status
               name: str | None = None) -> tuple[list[Run], str | None]:
     """Newest first; keyset pagination on id, so pages stay stable while runs are being added."""
     query = select(Run)
-    if cursor:
-        query = query.where(Run.id < decode_cursor(cursor))
     if statuses:
         query = query.where(Run.status.in_(statuses))
     if name:
         escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         query = query.where(Run.name.ilike(f"%{escaped}%", escape="\\"))
-    rows = list(session.scalars(query.order_by(Run.id.desc()).limit(limit + 1)))
-    next_cursor = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return rows[:limit], next_cursor
+    return pagination.page(session, query, Run.id, limit=limit, cursor=cursor)
 
 
 # --- user actions -----------------------------------------------------------------------------------
