@@ -215,7 +215,9 @@ def predict_run(session: Session, run: Run, hosts: list[Host]) -> None:
         events.record(session, run.id, f"not priced: the model's dimensions are unknown here ({exc})",
                       source="placement")
         return
-    predicted: dict[str, Any] = {"hardware": hardware, "device_kind": hosts[0].device_kind, "model": model}
+    # JAX's own name where the worker asked JAX (what an imported run directory records too).
+    device_kind = (hosts[0].info or {}).get("jax_device_kind") or hosts[0].device_kind
+    predicted: dict[str, Any] = {"hardware": hardware, "device_kind": str(device_kind)[:64], "model": model}
     if spec.kind in PRICED_KINDS:
         try:
             times, calibration = predict(session, hardware, run.spec, model, refit_if_stale=False)
