@@ -50,9 +50,15 @@ class TensorBoardSink:
         self._thread.join()
 
     def _loop(self) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError as exc:  # a machine without the package: the run goes on, its records are dropped
+            warnings.warn(f"no TensorBoard event files under {self.root}: {exc}", stacklevel=1)
+            while self._queue.get() is not _STOP:
+                pass
+            return
 
         writers: dict[str, EventFileWriter] = {}
         failed = False
