@@ -89,7 +89,7 @@ class AlgoSpec(_Strict):
     num_iterations: int = Field(1, ge=1, le=64)
     micro_batch_size: int | None = Field(None, ge=1, le=65536, description=(
         "sequences of the global batch per gradient micro-batch; unset: the whole batch on accelerators, "
-        "micro-batches of at most 8192 token slots per device on CPU (locojax.train.CPU_MICRO_BATCH_SLOTS)"))
+        "micro-batches of at most 8192 token slots per device on CPU (locojax.placement.memory.CPU_MICRO_BATCH_SLOTS)"))
 
 
 class OptimSpec(_Strict):
