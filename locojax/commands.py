@@ -54,12 +54,12 @@ def _allow_rewards(spec: RunSpec, reward_modules: str, where: str, eval_spec: Ev
     hold or a reward outside the allowlist, before anything is imported: the host re-checks what the API
     accepted (a forged start message stops here), with the API's messages. The eval block's rewards
     (`eval_spec`, default the spec's own) are checked the same way."""
-    from locojax.rewards import allow_reward_modules, allowed_reward_modules
+    from locojax.rewards import allow_reward_modules, allowed_reward_modules, unknown_names
 
     allow_reward_modules(reward_modules)
     if eval_spec is not None:
         spec = spec.model_copy(update={"eval": eval_spec})
-    refused = spec.unknown_names(allowed_reward_modules())
+    refused = unknown_names(spec, allowed_reward_modules())
     if refused:
         lines = "; ".join(f"{field}: {message}" for field, message in refused)
         typer.secho(f"{where}: refused: {lines}", fg="red", err=True)
