@@ -113,7 +113,7 @@ def train(
     if mode.multi_process and placement.hosts > 1:
         _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file, reward_modules)
         return
-    from locojax.modes import isolate_network, run_mode
+    from locojax.modes import isolate_network
 
     # A DA driver whose reserved hosts join its Ray head listens on its host's network, not a private
     # one, bound to the address it listens at.
@@ -123,6 +123,7 @@ def train(
     from locojax.modes.da import DAError
     from locojax.modes.sc import SCError
     from locojax.placement.memory import MemoryPlanError
+    from locojax.runner import run_mode
 
     try:
         extra = {"ray_address": ray_address} if ray_address and mode.uses_ray else {}
@@ -172,7 +173,7 @@ def host(
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id,
                                    coordinator_bind_address=coordinator if process_id == 0 else None)
-    from locojax.modes import run_mode
+    from locojax.runner import run_mode
 
     kwargs = {"resume": resume, "console": not quiet and process_id == 0}
     if cancel_file is not None:

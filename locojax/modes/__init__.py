@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Callable
 from locojax.registry import Registry
 
 if TYPE_CHECKING:  # RunSpec validation calls into here; the spec module imports this one
-    from locojax.contract import RunResult
     from locojax.spec import PlacementSpec, RunSpec
 
 # Roles of engine processes, as the control plane records them (server.models.HostRole has the values).
@@ -106,13 +105,6 @@ def spec_mode(spec: "RunSpec") -> ModeDef:
     return mode_for(spec.kind, spec.placement.mode)
 
 
-def run_mode(spec: "RunSpec", **options) -> "RunResult":
-    """Run `spec` in this process under its mode, through the one run loop."""
-    from locojax.runner import run
-
-    return run(spec, spec_mode(spec).session_class(), **options)
-
-
 def isolate_network(spec: "RunSpec", ray_address: str | None, head: str | None = None) -> None:
     """A run of a Ray mode that starts its own Ray re-executes itself first, since Ray 2.60 listens on
     every interface: a private Ray in a private network namespace (locojax.private_network); a DA
@@ -123,7 +115,7 @@ def isolate_network(spec: "RunSpec", ray_address: str | None, head: str | None =
         return
     if head:
         from locojax.bind_address import reexecute_bound_to
-        from locojax.modes.da_cluster import split_address
+        from locojax.link import split_address
 
         reexecute_bound_to(split_address(head)[0])
     else:

@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from locojax.link import split_address
 from locojax.spec import RunSpec
 
 RESOURCE_ROLLOUT = "locojax_rollout"
@@ -67,13 +68,6 @@ def is_train_host(spec: RunSpec, host: int) -> bool:
 def node_resources(spec: RunSpec, host: int) -> dict[str, float]:
     group = RESOURCE_TRAIN if is_train_host(spec, host) else RESOURCE_ROLLOUT
     return {group: 1.0, host_resource(host): 1.0}
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"not ADDR:PORT: {address!r}")
-    return host, int(port)
 
 
 def use_secret_as_token(secret_file: str | Path) -> None:
