@@ -120,8 +120,7 @@ def train(
     head = listen if mode.uses_ray and not ray_address else None
     isolate_network(spec, ray_address, head)
     configure_jax(mode.local_devices(placement))
-    from locojax.modes.da import DAError
-    from locojax.modes.sc import SCError
+    from locojax.modes.errors import ModeRunError
     from locojax.placement.memory import MemoryPlanError
     from locojax.runner import run_mode
 
@@ -130,7 +129,7 @@ def train(
         if listen and not (mode.uses_ray and ray_address):  # an operator's Ray replaces a DA run's own head
             extra.update(listen=listen, secret_file=secret_file)
         result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file, **extra)
-    except (DAError, SCError) as exc:
+    except ModeRunError as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
         raise typer.Exit(EXIT_FAILED) from None
     except MemoryPlanError as exc:  # refused before allocating: a spec that asks too much, like a bad field

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from locojax.link import split_address
+from locojax.modes.errors import DAError
 from locojax.spec import RunSpec
 
 RESOURCE_ROLLOUT = "locojax_rollout"
@@ -150,8 +151,6 @@ def start_head(spec: RunSpec, listen: str):
 
 def wait_for_nodes(ray, spec: RunSpec, timeout_s: float = JOIN_TIMEOUT_S) -> None:
     """Until every reserved host's node has joined; raises naming the hosts still missing."""
-    from locojax.modes.da import DAError
-
     wanted = {host_resource(h): h for h in range(spec.placement.hosts)}
     deadline = time.monotonic() + timeout_s
     while True:
