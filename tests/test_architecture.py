@@ -154,6 +154,41 @@ def test_every_mode_has_its_layout_cost_entry_and_published_name():
     assert sorted(MODES.get(n).cost_entry for n in placement_modes) == sorted(MODE_COSTS)
 
 
+@pytest.mark.parametrize("name, hosts", [("co", 1), ("co", 2), ("co", 4), ("sc", 1), ("sc", 2), ("sc", 4), ("da", 2),
+                                         ("da", 4), ("sft", 1)])
+def test_every_process_of_a_modes_layout_gets_a_command_line_the_cli_accepts(name, hosts):
+    """The host worker starts `locojax <mode.command(...)>` for each process of the layout: each line must
+    name a command of the CLI with options that command parses (click parses, nothing runs). Every
+    attempt carries its secret (server.services.scheduling)."""
+    import typer.main
+
+    from locojax.cli import app
+    from locojax.modes import MODES, EngineStart
+    from locojax.spec import PlacementSpec
+
+    mode = MODES.get(name)
+    layout = mode.layout(PlacementSpec.model_construct(mode=name, hosts=hosts, devices_per_host=2))
+    cli = typer.main.get_command(app)
+    for index, role in enumerate(layout.roles):
+        for options in ({}, {"resume": True, "reward_modules": ("a.b", "c"), "ray_address": "r:1"}):
+            start = EngineStart(spec_path="spec.yaml", role=role, process_index=index, num_processes=len(layout.roles),
+                                devices_per_host=2, cancel_file="/c", secret_file="/s", node_address="10.0.0.2",
+                                coordinator="10.0.0.1:1234" if len(layout.roles) > 1 else None, **options)
+            argv = mode.command(start)
+            command = cli.get_command(None, argv[0])
+            assert command is not None, (name, role, argv)
+            command.make_context(argv[0], list(argv[1:]))  # raises on an option the command does not take
+
+
+def test_the_worker_asks_the_mode_what_each_process_runs():
+    """worker/ starts the command line a mode's `command` gives; it never branches on a mode's roles."""
+    found = [f"{path.relative_to(ROOT)}: imports {alias.name}" for path in sorted((ROOT / "worker").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.ImportFrom) and node.module == "locojax.modes"
+             for alias in node.names if alias.name.startswith("ROLE_")]
+    assert not found, "\n".join(found)
+
+
 def test_the_spec_names_exactly_what_the_algorithm_registries_hold():
     from locojax.algo import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES
     from locojax.spec import AlgoSpec
