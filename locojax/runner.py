@@ -128,7 +128,7 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
         **options: Any) -> RunResult:
     """Run (or resume) `spec` with the mode session `setup(spec, resume=..., **options)` returns."""
     session = setup(spec, resume=resume, **options)
-    logger = None
+    logger = where = None
     try:
         host = session.host
         out = start_output(spec, host)
@@ -185,6 +185,8 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
     finally:
         if logger is not None:
             logger.close()
+        if where is not None:
+            where.close()
         session.close()
     result = RunResult(status.value, steps_done, last_checkpoint, combined)
     if host == 0:
