@@ -54,12 +54,12 @@ def _allow_rewards(spec: RunSpec, reward_modules: str, where: str, eval_spec: Ev
     hold or a reward outside the allowlist, before anything is imported: the host re-checks what the API
     accepted (a forged start message stops here), with the API's messages. The eval block's rewards
     (`eval_spec`, default the spec's own) are checked the same way."""
-    from locojax.rewards import allow_reward_modules, allowed_reward_modules
+    from locojax.rewards import allow_reward_modules, allowed_reward_modules, unknown_names
 
     allow_reward_modules(reward_modules)
     if eval_spec is not None:
         spec = spec.model_copy(update={"eval": eval_spec})
-    refused = spec.unknown_names(allowed_reward_modules())
+    refused = unknown_names(spec, allowed_reward_modules())
     if refused:
         lines = "; ".join(f"{field}: {message}" for field, message in refused)
         typer.secho(f"{where}: refused: {lines}", fg="red", err=True)
@@ -145,23 +145,23 @@ def train(
         _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file, reward_modules,
                      _cache_args(compilation_cache, no_compilation_cache))
         return
-    from locojax.modes import isolate_network, run_mode
+    from locojax.modes import isolate_network
 
     # A DA driver whose reserved hosts join its Ray head listens on its host's network, not a private
     # one, bound to the address it listens at.
     head = listen if mode.uses_ray and not ray_address else None
     isolate_network(spec, ray_address, head)
     configure_jax(mode.local_devices(placement), compilation_cache, no_compilation_cache=no_compilation_cache)
-    from locojax.modes.da import DAError
-    from locojax.modes.sc import SCError
+    from locojax.modes.errors import ModeRunError
     from locojax.placement.memory import MemoryPlanError
+    from locojax.runner import run_mode
 
     try:
         extra = {"ray_address": ray_address} if ray_address and mode.uses_ray else {}
         if listen and not (mode.uses_ray and ray_address):  # an operator's Ray replaces a DA run's own head
             extra.update(listen=listen, secret_file=secret_file)
         result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file, **extra)
-    except (DAError, SCError) as exc:
+    except ModeRunError as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
         raise typer.Exit(EXIT_FAILED) from None
     except MemoryPlanError as exc:  # refused before allocating: a spec that asks too much, like a bad field
@@ -206,7 +206,7 @@ def host(
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id,
                                    coordinator_bind_address=coordinator if process_id == 0 else None)
-    from locojax.modes import run_mode
+    from locojax.runner import run_mode
 
     kwargs = {"resume": resume, "console": not quiet and process_id == 0}
     if cancel_file is not None:

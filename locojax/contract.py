@@ -9,7 +9,7 @@ It holds
   * the exit codes of `locojax train` / `locojax host`;
   * the run-directory layout (`spec.yaml`, `metrics.jsonl`, `environment.json`, `tensorboard/`,
     `hosts/host<i>.json`, `result.json`, `checkpoints/`, SFT's `model/`) with its readers and writers;
-  * the message shapes the scheduler sends and the worker consumes.
+  * the message shapes the scheduler sends and the worker consumes, the task's name and each host's queue.
 
 Records are flat: `{"step": 3, "host": 0, "time/step": 0.41, "reward/mean": 0.2, ...}`; `step` is
 the 0-based index of the step the values describe (after it, `TrainState.step == step + 1`), `host`
@@ -443,7 +443,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 # Worker messages
 
 
+# The Celery task that starts one engine process; the scheduler sends it (server.scheduler builds its
+# sending client from these names) and the host workers run it (worker.app builds their Celery app).
 START_HOST_TASK = "locojax.start_host"
+MESSAGE_SERIALIZER = "json"  # the task messages' body format, on both sides
+
+
+def host_queue(host_name: str) -> str:
+    """Each host consumes only its own queue, so a start message reaches exactly the host it names."""
+    return f"host.{host_name}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ One step, read top to bottom in `run` below:
      and the aggregate to `metrics.jsonl`.
 After a cancelled step, or the last one: a forced checkpoint of its state; then, unless cancelled, a
 final evaluation when the session has one; then `session.finish` (wait for checkpoints, SFT's
-export), then `result.json`.
+export), then `result.json`. `run_mode` runs a spec under the mode it names (`locojax.modes`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from locojax.contract import (
     write_result,
 )
 from locojax.environment import describe as describe_environment
+from locojax.modes import spec_mode
 from locojax.spec import RunSpec, dump_spec
 from locojax.tensorboard import TensorBoardSink
 
@@ -196,3 +197,8 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
     if host == 0:
         write_result(out, result)
     return result
+
+
+def run_mode(spec: RunSpec, **options: Any) -> RunResult:
+    """Run `spec` in this process under its mode, through the one run loop."""
+    return run(spec, spec_mode(spec).session_class(), **options)

@@ -35,16 +35,13 @@ from locojax import link
 from locojax.launch import cores_for_host
 from locojax import metrics as m
 from locojax.contract import CHECKSUM_KEY, CONTROL_DIR, EngineStatus, HostStatus
+from locojax.modes.errors import SCError
 from locojax.runner import ModeSession, StepOutput, checkpoint_dir, checksum_due, output_dir
 from locojax.spec import RunSpec, dump_spec
 
 CONNECT_TIMEOUT_S = 300.0  # workers compile nothing before they connect, but may queue for cores
 SETUP_TIMEOUT_S = 900.0  # a worker's setup: policy, optimizer state, restore (0.6B restores take minutes)
 CALL_TIMEOUT_S = 600.0  # one rollout or train call longer than this is treated as a hung worker
-
-
-class SCError(RuntimeError):
-    """A worker of an SC run failed; the message names the worker, its host and the phase."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,34 @@ USABLE_FRACTION = 0.9
 # them for the backward pass); in rematerialised chunks only one chunk's [B, N, C] exists at a time.
 LOGPROB_VOCAB_CHUNK = 16384
 
+# With no micro_batch_size set, a step on CPU devices splits each device's rows into micro-batches of
+# at most this many token slots (halving while the rows divide evenly). XLA:CPU allocates a step's
+# whole temporary buffer afresh on every call and the kernel faults in and zeroes every page of it,
+# so past a few thousand rows x slots the faults, not the FLOPs, set the time: 512 rows x 104 slots
+# on one core took 680 ms whole, 384 ms as 4 micro-batches and 331 ms as 8 (6.6K slots each);
+# 1024 rows 1346 ms whole, 708 ms as 8. Accelerators keep the whole batch (their memory is
+# allocated once); set micro_batch_size to bound their activation memory.
+CPU_MICRO_BATCH_SLOTS = 8192
+
+
+def num_micro_batches(batch_size: int, micro_batch_size: int | None, seq_len: int = 0,
+                      data_devices: int = 1, platform: str = "") -> int:
+    """Micro-batches of one train step on `batch_size` rows split over `data_devices`: the train step
+    (locojax.train) takes its count from here, so the plan counts the same ones."""
+    if micro_batch_size is None:
+        if platform != "cpu":
+            return 1
+        num, per_device = 1, batch_size // max(data_devices, 1)
+        while per_device // num * seq_len > CPU_MICRO_BATCH_SLOTS and per_device % (2 * num) == 0:
+            num *= 2
+        return num
+    if micro_batch_size >= batch_size:
+        return 1
+    if batch_size % micro_batch_size:
+        raise ValueError(f"batch of {batch_size} sequences is not a multiple of micro_batch_size {micro_batch_size}")
+    return batch_size // micro_batch_size
+
+
 # Parameter-sized buffers the train step holds at its peak (gradients, AdamW's update, the backward's
 # per-layer buffers), per embedding and per layer parameter; measured, see `plan_memory`.
 EMBEDDING_STEP_BUFFERS = 1.5
@@ -293,8 +321,6 @@ def plan_for_spec(spec, devices, hosts: int, *, samples: bool) -> MemoryPlan:
     """The plan of `spec` on this host's `devices` (one of `hosts` hosts sharing the prompts), against
     their capacity. A run whose mode does not sample (`samples=False`: SFT, `ModeDef.samples`) plans the
     same terms with its batch of reference answers (no rollout groups, no reference policy)."""
-    from locojax.train import _num_micro_batches
-
     devices = list(devices)
     config = spec_model_config(spec)
     rows_per_host = spec.rollout.prompts_per_step * (spec.rollout.group_size if samples else 1) // max(hosts, 1)
@@ -304,8 +330,8 @@ def plan_for_spec(spec, devices, hosts: int, *, samples: bool) -> MemoryPlan:
                          f"{len(devices)} devices")
     mesh = MeshShape(len(devices) // (fsdp * tensor), fsdp, tensor)
     seq = spec.rollout.max_prompt_tokens + spec.rollout.max_new_tokens
-    micro_batches = _num_micro_batches(rows_per_host, spec.algo.micro_batch_size, seq, mesh.data * mesh.fsdp,
-                                       devices[0].platform)
+    micro_batches = num_micro_batches(rows_per_host, spec.algo.micro_batch_size, seq, mesh.data * mesh.fsdp,
+                                      devices[0].platform)
     capacity, capacity_name, runtime = device_capacity(devices)
     return plan_memory(config, rows_per_host=rows_per_host, prompt_len=spec.rollout.max_prompt_tokens,
                        new_len=spec.rollout.max_new_tokens, mesh=mesh, dtype=spec.model.dtype,

@@ -214,8 +214,10 @@ def check_names(spec: RunSpec, settings: Settings) -> None:
     """Task and reward names the hosts look up in their registries: a typo is a 422 now, not a run that
     fails on its hosts after its start-up. A `package.module:function` reward must be under one of the
     operator's module prefixes (`Settings.reward_modules`); the hosts check the same list again."""
+    from locojax.rewards import unknown_names  # the registries: not paid for at the API's import
+
     errors = [{"field": f"spec.{field}", "message": message}
-              for field, message in spec.unknown_names(settings.reward_modules)]
+              for field, message in unknown_names(spec, settings.reward_modules)]
     if errors:
         raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="UNKNOWN_NAME", details=errors)
 
