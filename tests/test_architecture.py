@@ -171,7 +171,8 @@ def test_every_process_of_a_modes_layout_gets_a_command_line_the_cli_accepts(nam
     layout = mode.layout(PlacementSpec.model_construct(mode=name, hosts=hosts, devices_per_host=2))
     cli = typer.main.get_command(app)
     for index, role in enumerate(layout.roles):
-        for options in ({}, {"resume": True, "reward_modules": ("a.b", "c"), "ray_address": "r:1"}):
+        for options in ({}, {"resume": True, "reward_modules": ("a.b", "c"), "ray_address": "r:1",
+                             "compilation_cache": "/var/cache/locojax"}):
             start = EngineStart(spec_path="spec.yaml", role=role, process_index=index, num_processes=len(layout.roles),
                                 devices_per_host=2, cancel_file="/c", secret_file="/s", node_address="10.0.0.2",
                                 coordinator="10.0.0.1:1234" if len(layout.roles) > 1 else None, **options)
@@ -179,6 +180,8 @@ def test_every_process_of_a_modes_layout_gets_a_command_line_the_cli_accepts(nam
             command = cli.get_command(None, argv[0])
             assert command is not None, (name, role, argv)
             command.make_context(argv[0], list(argv[1:]))  # raises on an option the command does not take
+            if options and argv[0] != "ray-node":  # every process that compiles shares the host's folder
+                assert argv[argv.index("--compilation-cache") + 1] == "/var/cache/locojax", argv
 
 
 def test_the_worker_asks_the_mode_what_each_process_runs():

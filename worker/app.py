@@ -121,12 +121,14 @@ def run_worker(name: str, api: ApiClient, broker_url: str, *, address: str, devi
                heartbeat_s: float, slice_name: str | None = None, device_kind: str = "local-cpu",
                device_memory_bytes: int | None = None, device_info: dict[str, Any] | None = None,
                loglevel: str = "INFO", reward_modules: tuple[str, ...] = (), ray_address: str = "",
-               engine_env: dict[str, str] | None = None, runs_root: Path = Path("runs")) -> None:
+               engine_env: dict[str, str] | None = None, runs_root: Path = Path("runs"),
+               compilation_cache: str = "") -> None:
     """Block running the worker until it is told to stop (SIGTERM/SIGINT)."""
     if cores:
         os.sched_setaffinity(0, cores)  # the engine processes it starts inherit the pinning
     context = WorkerContext(host_name=name, api=api, address=address, devices=devices, reward_modules=reward_modules,
-                            ray_address=ray_address, engine_env=engine_env or {}, runs_root=runs_root)
+                            ray_address=ray_address, engine_env=engine_env or {}, runs_root=runs_root,
+                            compilation_cache=compilation_cache)
     # `instance` tells the API this is a new worker process: whatever the previous one ran is gone.
     info = {"address": address, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
             "instance": uuid.uuid4().hex, **(device_info or {})}

@@ -34,6 +34,10 @@ def worker(
     ray_address: Annotated[str, typer.Option(
         "--ray-address", envvar="LOCOJAX_RAY_ADDRESS",
         help="an operator-run Ray cluster for DA runs; default: a private one per run on this host")] = "",
+    compilation_cache: Annotated[str, typer.Option(
+        "--compilation-cache", envvar="LOCOJAX_COMPILATION_CACHE",
+        help="folder of compiled programs this host's runs share (default: the engine's, "
+             "~/.locojax/compilation-cache)")] = "",
 ) -> None:
     """Run a host worker: registers this host, heartbeats, and starts engine host processes for the
     runs the scheduler places here."""
@@ -71,7 +75,8 @@ def worker(
                    heartbeat_s=heartbeat_s, slice_name=slice_name, device_kind=hardware.hardware,
                    device_memory_bytes=hardware.device_memory_bytes, device_info=hardware.info(),
                    reward_modules=split_prefixes(reward_modules), ray_address=ray_address, engine_env=engine_env,
-                   runs_root=Path(os.path.abspath(runs_root)))
+                   runs_root=Path(os.path.abspath(runs_root)),
+                   compilation_cache=os.path.abspath(compilation_cache) if compilation_cache else "")
 
 
 def register(app: typer.Typer) -> None:

@@ -67,6 +67,9 @@ class WorkerContext:
     report_deadline_s: float = 300.0  # how long a final report keeps being retried (API/database down)
     reward_modules: tuple[str, ...] = ()  # the operator's reward module prefixes, passed to every engine process
     ray_address: str = ""  # the operator's Ray cluster for DA runs; empty: a private one per run
+    # The operator's folder of compiled programs this host's runs share; empty: the engine's default
+    # (~/.locojax/compilation-cache of the worker's user). Never a spec's choice.
+    compilation_cache: str = ""
     engine_env: dict[str, str] = dataclasses.field(default_factory=dict)  # see engine_environment
     runs_root: Path = Path("runs")  # the only directory engine processes of this host write under
 
@@ -382,7 +385,7 @@ class HostSupervisor:
             devices_per_host=spec.placement.devices_per_host, cancel_file=str(self.cancel_file),
             coordinator=coordinator, resume=self.resume, reward_modules=self.ctx.reward_modules,
             secret_file=str(self.secret_file) if self.secret else None, ray_address=self.ctx.ray_address,
-            node_address=self.ctx.address)
+            node_address=self.ctx.address, compilation_cache=self.ctx.compilation_cache)
         return [sys.executable, "-m", "locojax.cli", *spec_mode(spec).command(start)]
 
     def check_process(self, spec: RunSpec) -> str | None:

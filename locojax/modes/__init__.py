@@ -70,6 +70,7 @@ class EngineStart:
     secret_file: str | None = None  # the attempt's shared secret, a file only its user can read
     ray_address: str = ""  # the worker's operator Ray cluster; empty: none
     node_address: str = ""  # where the run's other hosts reach this one
+    compilation_cache: str = ""  # the operator's compiled-program folder for the host; empty: the engine's default
 
 
 def _no_placement_checks(placement: "PlacementSpec") -> str | None:
@@ -188,9 +189,15 @@ def _da_driver_and_a_ray_node_per_host(placement: "PlacementSpec") -> ProcessLay
 
 
 def _engine_options(start: EngineStart) -> list[str]:
-    """A process that decides its own steps: quiet, its cancel file, resume, the operator's reward modules."""
+    """A process that decides its own steps: quiet, its cancel file, resume, the operator's reward modules
+    and compilation cache."""
     options = ["--quiet", "--cancel-file", start.cancel_file] + (["--resume"] if start.resume else [])
-    return options + (["--reward-modules", ",".join(start.reward_modules)] if start.reward_modules else [])
+    options += ["--reward-modules", ",".join(start.reward_modules)] if start.reward_modules else []
+    return options + _cache_option(start)
+
+
+def _cache_option(start: EngineStart) -> list[str]:
+    return ["--compilation-cache", start.compilation_cache] if start.compilation_cache else []
 
 
 def _secret_option(start: EngineStart) -> list[str]:
@@ -220,7 +227,7 @@ def _sc_command(start: EngineStart) -> list[str]:
     assert start.coordinator is not None
     return ["sc-worker", start.spec_path, "--controller", start.coordinator, "--process-id", str(start.process_index),
             "--devices-per-host", str(start.devices_per_host), "--quiet", *_secret_option(start),
-            *(["--resume"] if start.resume else [])]
+            *(["--resume"] if start.resume else []), *_cache_option(start)]
 
 
 def _da_command(start: EngineStart) -> list[str]:
