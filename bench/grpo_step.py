@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -309,6 +310,8 @@ def locojax_side(args) -> None:
             except Exception as error:  # an attempt that does not fit: the next candidate is smaller
                 attempt.update(status="failed", error=_error_line(error))
                 print(f"rows {work.rows}: {attempt['error']}", file=sys.stderr, flush=True)
+                del error
+                gc.collect()  # the failed run's device buffers, before the next candidate allocates
                 continue
             total = time.perf_counter() - started
         if result.status != "succeeded" or result.steps_done != total_steps:
@@ -322,7 +325,9 @@ def locojax_side(args) -> None:
               "compilation_cache": compilation_cache_state(), "versions": {"jax": jax.__version__},
               "devices": len(jax.devices())}
     if done is None:
-        print(json.dumps({**record, "ok": False, "error": "no candidate rows ran"}), flush=True)
+        tried = "; ".join(f"{a['rows']} rows {a['status']}" + (f" ({a['error']})" if a["error"] else "")
+                          for a in attempts)
+        print(json.dumps({**record, "ok": False, "error": f"no candidate rows ran: {tried}"}), flush=True)
         return
     work, sink, started, total, trace_dir = done
     kept = range(max(args.warmup, 1), args.steps - 1)  # step k = stamps[k] - stamps[k-1]
@@ -345,6 +350,8 @@ def locojax_side(args) -> None:
         "generated": generated[:args.steps],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_device_gib": max(device_peaks) if device_peaks else None,
+        # The allocator's high-water mark lives as long as the process: after a failed attempt it is that one's.
+        "peak_device_after_failed_attempt": any(a["status"] == "failed" for a in attempts),
         "planned_gib": attempts[-1]["planned_gib"], "plan_line": attempts[-1]["plan_line"],
         "reward_mean": [r.get("reward/mean") for r in sink.records],
         "profile": profile,
@@ -606,7 +613,8 @@ def summarise(per_run: list[dict], rows: int | None = None) -> dict:
     locojax_step_s = statistics.median(our_periods)
     our_round_medians = [statistics.median(run["periods_s"]) for run in ours]
     profiles = [run["profile"] for run in ours if run.get("profile") and "error" not in run["profile"]]
-    peaks = [(run["peak_device_gib"], run["planned_gib"]) for run in ours if run.get("peak_device_gib")]
+    peaks = [(run["peak_device_gib"], run["planned_gib"]) for run in ours
+             if run.get("peak_device_gib") and not run.get("peak_device_after_failed_attempt")]
     figures.update({
         "locojax_step_s": locojax_step_s,
         **{name: statistics.median(v for run in ours for v in run["phases_s"][name]) for name in PHASES},
@@ -656,7 +664,7 @@ def per_run_record(run: dict) -> dict:
     """What a part keeps of one run (the generated-token log is summarised by its identical-work check)."""
     keep = ("side", "round", "rows", "ok", "error", "periods_s", "cpu_s", "phases_s", "first_step_s",
             "setup_and_first_step_s", "total_s", "wall_s", "load_avg_1m", "peak_rss_mib", "peak_device_gib",
-            "planned_gib", "plan_line", "identical_work", "compilation_cache", "profile", "device", "versions",
+            "planned_gib", "plan_line", "peak_device_after_failed_attempt", "identical_work", "compilation_cache", "profile", "device", "versions",
             "reference_model", "last_step_s", "log", "stderr_tail")
     record = {k: run[k] for k in keep if k in run}
     if record.get("periods_s"):

@@ -6,10 +6,10 @@ profile run):
   * `annotated_phases()` makes every `PhaseTimer.phase` of the run loop also a `TraceAnnotation`
     named `phase:<metric name>` (`phase:time/rollout`, ...), so the trace shows the host's phases;
   * `ProfiledSteps(trace_dir, first_step, steps)` is a metric sink: after the aggregate record of step
-    `first_step - 1` it starts the trace and marks a boundary, after that of `first_step + steps - 1` it
-    marks one more and stops. Between the two marks lie exactly `steps` whole step periods, measured
-    as the benchmarks measure a step (from one step's record to the next); starting and stopping the
-    profiler happen outside them.
+    `first_step - 1` it starts the trace and marks a boundary, after each record up to that of
+    `first_step + steps - 1` it marks one more, then stops. Between the first and last marks lie
+    exactly `steps` whole step periods, measured as the benchmarks measure a step (from one step's
+    record to the next); starting and stopping the profiler happen outside them.
 
 Reading (`summarise_trace`, pure Python over `jax.profiler.ProfileData`, runs anywhere): op events
 come from the device planes' "XLA Ops" line where the trace has a device plane (a TPU's
@@ -19,7 +19,7 @@ window between the two marks, so ops running side by side on several threads cou
 `device_idle_fraction` = 1 - busy / window. Top ops are ranked by self time (an op's time less that
 of ops nested in it on the same line, so a while loop does not count its body twice), overall and
 per host phase (an op belongs to the phase whose annotation holds its start; phases sync on their
-device results, so an op dispatched in one finishes there).
+device results, so an op dispatched in one finishes there), by op and by kind of op (`op_kind`).
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ class ProfiledSteps:
             jax.profiler.start_trace(self.trace_dir)
             self.tracing = True
             mark_boundary(step)
-        elif self.tracing and step == self.first_step + self.steps - 1:
+        elif self.tracing:
             mark_boundary(step)
-            self.stop()
+            if step == self.first_step + self.steps - 1:
+                self.stop()
 
     def stop(self) -> None:
         if self.tracing:
@@ -212,6 +213,27 @@ def union_ns(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def op_kind(op: OpEvent) -> str:
+    """What kind of op this is: its HLO category where the trace has one (a TPU's), else its name
+    without the instance number (`fusion.12` -> `fusion`)."""
+    if op.category:
+        return op.category
+    base, _, number = op.name.rpartition(".")
+    return base if base and number.isdigit() else op.name
+
+
+def top_kinds(ops: list[OpEvent], top: int) -> list[dict]:
+    """Self time per op kind (`op_kind`), largest first: total ms, count, share of all op time."""
+    groups: dict[str, list[float]] = {}
+    for op in ops:
+        entry = groups.setdefault(op_kind(op), [0.0, 0])
+        entry[0] += op.self_ns
+        entry[1] += 1
+    total = sum(entry[0] for entry in groups.values()) or 1.0
+    return [{"kind": kind, "total_ms": entry[0] / 1e6, "count": entry[1], "share": entry[0] / total}
+            for kind, entry in sorted(groups.items(), key=lambda item: -item[1][0])[:top]]
+
+
 def top_ops(ops: list[OpEvent], top: int) -> list[dict]:
     """Ops grouped by (module, name), largest self time first: total ms, count, share of all op time."""
     groups: dict[tuple[str, str], list[float]] = {}
@@ -273,8 +295,9 @@ def summarise_trace(trace_dir: str, top: int = 15) -> dict:
         "phase_wall_s_per_step": {name: sum(p[1] - p[0] for p in phases if p[2] == name) / 1e9 / steps
                                   for name in sorted({p[2] for p in phases})},
         "top_ops": top_ops(inside, top),
+        "top_kinds": top_kinds(inside, top),
         "top_ops_by_phase": {name: {"op_self_s_per_step": sum(op.self_ns for op in group) / 1e9 / steps,
-                                    "top_ops": top_ops(group, top)}
+                                    "top_ops": top_ops(group, top), "top_kinds": top_kinds(group, top)}
                              for name, group in sorted(by_phase.items())},
         "method": ("idle = 1 - union of op intervals / window; window = the steps between the first and last "
                    f"'{BOUNDARY}' marks (whole step periods); top ops by self time, share of the op time of "

@@ -982,6 +982,9 @@ def run_locojax(args, work: Path) -> dict:
     scale.json's figures."""
     load_before = os.getloadavg()
     started = time.monotonic()
+    if not args.resume_partial:  # a --work reused from an earlier run: its run directories are not this run's
+        for stale in [*work.glob("cli-*"), *work.glob("profile-*")]:
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     paths = input_paths(work, args.model_preset) if args.resume_partial else (
         build_inputs(work, args.seed, args.model_preset))
     # Each phase's figures land in <out>.partial as they come, so a failure late keeps the rest.

@@ -11,13 +11,13 @@ import pytest
 
 
 def test_trace_reader_finds_the_ops_the_host_phases_and_the_idle_time_it_waited_on_the_host(tmp_path):
-    """A real trace of 3 steps, each a jitted matmul (in a rollout phase) then 30 ms of host sleep with
-    nothing dispatched: the idle time covers at least the sleeps, the busy time is the op time, and
-    the matmul module tops the rollout phase's ops."""
+    """A real trace of 3 of 5 steps (the sink the benchmarks use), each a jitted matmul in a rollout
+    phase then 30 ms of host sleep with nothing dispatched: the idle time covers at least the sleeps,
+    the busy time is the op time, and the matmul's module tops the rollout phase's ops."""
     import jax
     import jax.numpy as jnp
 
-    from bench.profile_trace import annotated_phases, mark_boundary, summarise_trace
+    from bench.profile_trace import ProfiledSteps, annotated_phases, summarise_trace
     from locojax import metrics as m
 
     @jax.jit
@@ -25,28 +25,27 @@ def test_trace_reader_finds_the_ops_the_host_phases_and_the_idle_time_it_waited_
         return jnp.tanh(x @ x) @ x
 
     x = jnp.ones((384, 384), jnp.float32) / 384
-    bench_matmul_step(x).block_until_ready()
-    timer, sleep_s, steps = m.PhaseTimer(), 0.03, 3
-    jax.profiler.start_trace(str(tmp_path))
+    timer, sleep_s, sink = m.PhaseTimer(), 0.03, ProfiledSteps(str(tmp_path), first_step=1, steps=3)
     with annotated_phases():
-        mark_boundary(0)
-        for step in range(steps):
+        for step in range(5):
             with timer.step():
                 with timer.phase(m.TIME_ROLLOUT):
                     bench_matmul_step(x).block_until_ready()
                 time.sleep(sleep_s)
-            mark_boundary(step + 1)
-    jax.profiler.stop_trace()
+            sink.write(step, m.ALL_HOSTS, {})
+    sink.close()
+    assert sink.traced and not sink.tracing
 
     summary = summarise_trace(str(tmp_path))
-    assert summary["steps"] == steps and summary["source"]["kind"].startswith("host plane")
+    assert summary["steps"] == 3 and summary["source"]["kind"].startswith("host plane")
     assert summary["op_events"] > 0 and 0 < summary["busy_s"] < summary["window_s"]
     idle_s = summary["device_idle_fraction"] * summary["window_s"]
-    assert idle_s >= 0.9 * steps * sleep_s
+    assert idle_s >= 0.9 * 3 * sleep_s
     assert summary["device_idle_fraction"] == pytest.approx(1 - summary["busy_s"] / summary["window_s"])
     rollout = summary["top_ops_by_phase"][m.TIME_ROLLOUT]
     assert rollout["top_ops"][0]["module"] == "jit_bench_matmul_step"
     assert sum(op["share"] for op in rollout["top_ops"]) == pytest.approx(1.0)
+    assert sum(kind["share"] for kind in rollout["top_kinds"]) == pytest.approx(1.0)
     assert summary["phase_wall_s_per_step"][m.TIME_ROLLOUT] > 0
 
 
