@@ -471,7 +471,9 @@ class Orchestrator:
     def run(self, side: str, work: Workload, round_index: int | None, candidates: list[int] | None = None,
             profile: bool = False) -> dict | None:
         args = self.args
-        what = f"round {round_index}" if round_index is not None else f"rows {work.rows}"
+        what = (f"round {round_index}" if round_index is not None else
+                f"rows search, {','.join(str(p * work.group) for p in candidates)} rows" if candidates
+                else f"rows {work.rows}")
         if not self.affordable(side, what):
             return None
         self.count += 1
@@ -650,6 +652,7 @@ def summarise(per_run: list[dict], rows: int | None = None) -> dict:
         "peer_cpu_s_per_step": peer_cpu,
         "cpu_ratio_vs_peer": peer_cpu / our_cpu,
         "peer_peak_rss_mib": max(run["peak_rss_mib"] for run in peer),
+        "peer_peak_device_gib": max((run.get("peak_device_gib") or 0.0 for run in peer), default=0.0) or None,
         "peer_round_medians_s": peer_round_medians,
         "peer_spread": _spread(peer_round_medians),
         "identical_work": {"ok": all(run["identical_work"]["ok"] for run in ours + peer),
@@ -769,7 +772,10 @@ def main() -> None:
         else:
             rows = (json.loads(args.rows_from.read_text())["rows_search"]["rows_both_fit"] if args.rows_from
                     else int(args.rows) if args.rows else work.rows)
-            if not rows or rows % work.group:
+            if not rows:
+                raise SystemExit(f"{args.rows_from}'s rows search found no rows both sides fit (its rows_search "
+                                 f"says why); give the rows (--rows N) to measure anyway")
+            if rows % work.group:
                 raise SystemExit(f"size c needs rows that are a multiple of the group {work.group}, got {rows}")
             work = work.with_prompts(rows // work.group)
             run_rounds(orchestrator, work, args.rounds, args.peer_first)

@@ -1023,7 +1023,7 @@ print(json.dumps(profile_child({spec!r}, {trace!r}, {first!r}, {steps!r})))
 
 def profile_child(spec_json: str, trace_dir: str, first_step: int, steps: int) -> dict:
     """Runs the spec's CO loop in this process with steps `first_step` .. `first_step + steps - 1`
-    traced (bench/profile_trace.py): the trace's summary and the run's own step times."""
+    traced (bench/profile_trace.py): the trace's summary and the device it ran on."""
     from bench.profile_trace import ProfiledSteps, annotated_phases, summarise_trace
     from locojax.modes.co import run_co
     from locojax.spec import RunSpec

@@ -30,7 +30,8 @@
 # `install` (with `tests`) first. Nothing is pip-installed after the install stage.
 #
 # Settings (environment): PYTHON (python3); PLATFORM (tpu; `cpu` dry-runs every stage here);
-# LOCAL_INDEX, WHEELS, TORCH_WHEELS (above); TARGETS (/tmp/locojax-tpu); WORK (/tmp/locojax-tpu/work,
+# LOCAL_INDEX, WHEELS, TORCH_WHEELS (above); C_ROWS or C_ROWS_PART (size-c1/c2's rows, where OUTDIR does
+# not hold the size-c-rows part: an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu); WORK (/tmp/locojax-tpu/work,
 # the 0.6B inputs, built once per machine); LOCOJAX_BENCH_COMMIT (where the checkout has no .git);
 # SCALE_ARGS, GRPO_ARGS, C_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's:
 #   a dry run here: PLATFORM=cpu SCALE_ARGS="--model-preset tiny" C_ARGS="--model-preset small --max-prompts 2").
@@ -128,11 +129,16 @@ grpo() {  # STAGE SIZE ARGS ...
     --out "$out/part_$name.json" ${GRPO_ARGS:-} "$@"
 }
 
-c_rows_part() {  # where size c's rows search part is: this OUTDIR's, else one committed
-  for part in "$out/part_size-c-rows.json" "$root/bench/results/tpu_parts/part_size-c-rows.json"; do
-    [ -f "$part" ] && { echo "$part"; return 0; }
+c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, OUTDIR's, or a committed one)
+  if [ -n "${C_ROWS:-}" ]; then
+    echo "--rows $C_ROWS"
+    return 0
+  fi
+  for part in ${C_ROWS_PART:-} "$out/part_size-c-rows.json" "$root/bench/results/tpu_parts/part_size-c-rows.json"; do
+    [ -f "$part" ] && { echo "--rows-from $part"; return 0; }
   done
-  echo "no part_size-c-rows.json in $out or bench/results/tpu_parts: run the size-c-rows stage first" >&2
+  echo "size c's rows: no C_ROWS, C_ROWS_PART, $out/part_size-c-rows.json or bench/results/tpu_parts/" \
+    "part_size-c-rows.json; run the size-c-rows stage first" >&2
   return 1
 }
 
@@ -149,11 +155,11 @@ for name in $stages; do
     # shellcheck disable=SC2086
     size-c-rows) stage size-c-rows 540 grpo size-c-rows c --rows search --rounds 1 --work "$work" ${C_ARGS:-} ;;
     size-c1 | size-c2)
-      if rows_part=$(c_rows_part); then
+      if rows=$(c_rows); then
         first=""
         [ "$name" = size-c2 ] && first=--peer-first
         # shellcheck disable=SC2086
-        stage "$name" 540 grpo "$name" c --rows-from "$rows_part" --rounds 1 $first --work "$work" ${C_ARGS:-}
+        stage "$name" 540 grpo "$name" c $rows --rounds 1 $first --work "$work" ${C_ARGS:-}
       fi ;;
     # shellcheck disable=SC2086
     scale) stage scale 540 "$py" bench/scale.py --platform "$platform" --stage scale --no-rest --no-peer --skip-limits \
