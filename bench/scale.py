@@ -196,7 +196,9 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
     return {"steps_completed": len(by_step), "step_s": median("step_without_checkpoint_s"),
             "peak_device_gib": max(device_peaks) if device_peaks else None,
             "checkpoint_s": max(float(r.get("time/checkpoint", 0.0)) for r in rows),
-            "rollout_s": median("time/rollout"), "completion_len_mean": median("completion/len_mean"),
+            "rollout_s": median("time/rollout"),
+            "completion_len_mean": median("completion/len_mean") if any("completion/len_mean" in r for r in steady)
+            else None,
             "train_s": median("time/train"), "rollout_tokens_per_s": median("throughput/rollout_tokens_per_s"),
             "first_step_s": float(by_step[min(by_step)]["time/step"]) if by_step else None,
             "per_step_s": [float(by_step[s]["time/step"]) for s in sorted(by_step)],
@@ -915,9 +917,9 @@ def summarise(args, limits: dict | None, rounds: list[dict], rest: dict | None, 
 
     step_times = [r["step_s"] for r in rounds]
     train_s = statistics.median(r["train_s"] for r in rounds)
-    steady = range(1, max(args.steps, 2))  # the steps step_s and train_s are medians of
     completions = [r["completion_len_mean"] for r in rounds if r.get("completion_len_mean")]
-    prompts = (prompt_lengths(paths, args, steady) if paths is not None
+    # The prompts of the steps step_s and train_s are medians of (every step after the first).
+    prompts = (prompt_lengths(paths, args, range(1, max(args.steps, 2))) if paths is not None
                else [args.prompt_tokens] * args.prompts * args.group)
     flops = train_model_flops(get_preset(args.model_preset), args, prompts,
                               statistics.median(completions) if completions else args.new_tokens)

@@ -174,5 +174,5 @@ for name in $stages; do
     *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits merge)" >&2 ;;
   esac
 done
-tar czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
+tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"
 ls -la "$out"

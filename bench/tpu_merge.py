@@ -82,6 +82,8 @@ def load_parts(parts_dir: Path) -> list[dict]:
     """Every `part_*.json` in `parts_dir`, oldest first, each with its file name under `_file`."""
     parts = []
     for path in sorted(parts_dir.glob("part_*.json")):
+        if path.name.endswith(".partial.json"):  # bench/scale.py's phases so far, of a stage that failed
+            continue
         try:
             part = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
