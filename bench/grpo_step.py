@@ -80,6 +80,7 @@ PEER_VENV = ROOT / "bench" / ".peer-venvs" / "tunix"
 PEER_PACKAGE = "google-tunix==0.1.7"
 PEER_SCRIPT = ROOT / "bench" / "peers" / "tunix_grpo_step.py"
 RESULTS = ROOT / "bench" / "results" / "grpo_step.json"
+PROCESS_START = time.monotonic()  # --budget-s counts from here (building size c's inputs included)
 
 NUM_ITERATIONS, CLIP_EPS, LR, GRAD_CLIP = 1, 0.2, 1e-6, 1.0
 SEED = 0
@@ -450,7 +451,7 @@ class Orchestrator:
     def __init__(self, args, work: Workload, inputs: dict | None, logs: Path, peer_python: str):
         self.args, self.base, self.inputs, self.logs = args, work, inputs, logs
         self.peer_python = peer_python
-        self.deadline = time.monotonic() + args.budget_s if args.budget_s else None
+        self.deadline = PROCESS_START + args.budget_s if args.budget_s else None
         self.last_wall: dict[str, float] = {}
         self.runs: list[dict] = []
         self.skipped: list[str] = []

@@ -48,6 +48,9 @@ platform=${PLATFORM:-tpu}
 targets=${TARGETS:-/tmp/locojax-tpu}
 work=${WORK:-$targets/work}
 wheels=${WHEELS:-$root/.whl-tpu}
+# One command on the TPU machine may run 10 minutes: stages start only within COMMAND_S of this script's
+# start and are cut to what is left of it (default 570 s on a TPU, no limit elsewhere; 0: none).
+command_s=${COMMAND_S:-$([ "$platform" = tpu ] && echo 570 || echo 0)}
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 LOCOJAX_BENCH_COMMIT=${LOCOJAX_BENCH_COMMIT:-}
 mkdir -p "$work"
 
@@ -68,6 +71,15 @@ PEER_PACKAGES="google-tunix==0.1.7"
 stage() {  # NAME LIMIT_S COMMAND ... (a program or one of the functions below, exported to the shell timeout runs)
   local name=$1 limit=$2
   shift 2
+  if [ "$command_s" -gt 0 ]; then  # the whole command's limit binds too
+    local left=$((command_s - SECONDS))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 60 ]; then
+      echo "== $name: not started, ${left}s of this command's ${command_s}s left (COMMAND_S)"
+      return 1
+    fi
+  fi
+  export stage_limit=$limit
   echo "== $name: start $(date -u +%T), limit ${limit}s"
   timeout "$limit" bash -c '"$@"' "$name" "$@" > >(tee "$out/logs/$name.log") 2>&1
   local status=$?
@@ -124,7 +136,8 @@ grpo() {  # STAGE SIZE ARGS ...
   local name=$1 size=$2
   shift 2
   # shellcheck disable=SC2086
-  "$py" bench/grpo_step.py --platform "$platform" --size "$size" --stage "$name" --budget-s 480 \
+  # The runs' budget: the stage's limit less a minute for the part, the chip's release and the merge of logs.
+  "$py" bench/grpo_step.py --platform "$platform" --size "$size" --stage "$name" --budget-s $((stage_limit - 60)) \
     --side-timeout 420 --peer-python "$peer_python" --peer-path "$peer_path" --logs "$out/logs/$name-sides" \
     --out "$out/part_$name.json" ${GRPO_ARGS:-} "$@"
 }
