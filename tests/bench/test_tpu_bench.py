@@ -136,3 +136,19 @@ def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path
     (tmp_path / "part_limits.json").write_text(json.dumps(limits))
     with pytest.raises(SystemExit, match="not the rounds'"):
         merge_scale(load_parts(tmp_path))
+
+
+def test_identical_work_check_refuses_a_run_that_decoded_other_work():
+    """A rollout with a short row, a wider prompt buffer (Tunix widens it for a long prompt) or too few
+    trained tokens fails the check, naming what differed; the size's own work passes."""
+    from bench.grpo_step import SIZES, identical_work
+
+    work = SIZES["a"]
+    good = {"rows": 64, "slots": 64 * 64, "tokens": 64 * 64, "min_len": 64, "max_len": 64, "prompt_width": 64}
+    assert identical_work(work, [good, good], steps=2)["ok"]
+    for bad, words in (({"min_len": 63, "slots": 64 * 64 - 1}, "expected 64 rows x 64"),
+                       ({"prompt_width": 128}, "prompt buffer of 128"),
+                       ({"tokens": 3000}, "trains on 3000")):
+        check = identical_work(work, [good, {**good, **bad}], steps=2)
+        assert not check["ok"] and words in " ".join(check["problems"])
+    assert "1 rollouts for 2 steps" in identical_work(work, [good], steps=2)["problems"][0]
