@@ -34,6 +34,7 @@ tensor axes > 1) the step leaves the collectives to `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import flax.struct
@@ -227,6 +228,13 @@ def make_logprobs_fn(
     """Jitted `fn(params, tokens, prompt_mask, completion_mask) -> [B, N]`, e.g. for reference log-probs."""
     return jax.jit(lambda params, tokens, prompt_mask, completion_mask: sequence_logprobs(
         graphdef, params, tokens, prompt_mask, completion_mask, temperature), compiler_options=compiler_options)
+
+
+@functools.lru_cache(maxsize=16)
+def reference_logprobs_fn(graphdef: nnx.GraphDef, temperature: float = 1.0) -> Callable[..., jax.Array]:
+    """`make_logprobs_fn` once per (graph, temperature): a run's KL reference pass and the memory plan that
+    compiled it ahead of time (locojax.compiled_plan) share one jitted function, and so its compilation."""
+    return make_logprobs_fn(graphdef, temperature)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -473,5 +481,5 @@ __all__ = [
     "Batch", "CompilerOptions", "LOGPROB_VOCAB_CHUNK", "Metrics", "Optimizer", "StepFn", "TrainState",
     "chunked_logprobs_and_entropy", "completion_logprobs_and_entropy",
     "init_train_state", "lr_schedule", "make_logprobs_fn", "make_optimizer", "make_sft_step",
-    "make_train_step", "packed_data_parallel_grads", "sequence_logprobs", "split_params", "tokens_in_batch",
+    "make_train_step", "packed_data_parallel_grads", "reference_logprobs_fn", "sequence_logprobs", "split_params", "tokens_in_batch",
 ]

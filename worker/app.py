@@ -39,10 +39,10 @@ class Heartbeat:
     reset); heartbeats every `interval_s` until stopped. API outages are waited out, never fatal."""
 
     def __init__(self, api: ApiClient, name: str, *, device_kind: str, device_count: int, info: dict[str, Any],
-                 interval_s: float = 2.0, slice_name: str | None = None):
+                 interval_s: float = 2.0, slice_name: str | None = None, device_memory_bytes: int | None = None):
         self.api, self.name, self.interval_s = api, name, interval_s
         self.registration = {"device_kind": device_kind, "device_count": device_count, "info": info,
-                             "slice": slice_name}
+                             "slice": slice_name, "device_memory_bytes": device_memory_bytes}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
 
@@ -76,7 +76,8 @@ class Heartbeat:
 
 
 def run_worker(name: str, api: ApiClient, broker_url: str, *, address: str, devices: int, cores: list[int] | None,
-               heartbeat_s: float, slice_name: str | None = None, device_kind: str = "cpu",
+               heartbeat_s: float, slice_name: str | None = None, device_kind: str = "local-cpu",
+               device_memory_bytes: int | None = None, device_info: dict[str, Any] | None = None,
                loglevel: str = "INFO", reward_modules: tuple[str, ...] = (), ray_address: str = "",
                engine_env: dict[str, str] | None = None, runs_root: Path = Path("runs")) -> None:
     """Block running the worker until it is told to stop (SIGTERM/SIGINT)."""
@@ -86,9 +87,9 @@ def run_worker(name: str, api: ApiClient, broker_url: str, *, address: str, devi
                             ray_address=ray_address, engine_env=engine_env or {}, runs_root=runs_root)
     # `instance` tells the API this is a new worker process: whatever the previous one ran is gone.
     info = {"address": address, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
-            "instance": uuid.uuid4().hex}
+            "instance": uuid.uuid4().hex, **(device_info or {})}
     heartbeat = Heartbeat(api, name, device_kind=device_kind, device_count=devices, info=info, interval_s=heartbeat_s,
-                          slice_name=slice_name)
+                          slice_name=slice_name, device_memory_bytes=device_memory_bytes)
     heartbeat.start()
     app = create_worker_app(broker_url, context)
     try:

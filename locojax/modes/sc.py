@@ -333,7 +333,7 @@ class SCWorker:
         import jax
 
         from locojax.modes.common import RolloutRunner, prepare_trainer, to_local, train_temperature
-        from locojax.train import make_logprobs_fn
+        from locojax.train import reference_logprobs_fn
 
         self.spec, self.rank, self.workers = spec, rank, workers
         self.trainer = prepare_trainer(spec, jax.devices(), checkpoint_dir(spec), resume)
@@ -343,7 +343,7 @@ class SCWorker:
         self.use_kl = spec.algo.kl_coef > 0
         if self.use_kl:  # as in CO: the starting policy, scored on this host's rows
             self.reference_params = to_local(self.trainer.reference_params, self.runner.replicated)
-            self.reference_logprobs = make_logprobs_fn(self.trainer.policy.graphdef, train_temperature(spec))
+            self.reference_logprobs = reference_logprobs_fn(self.trainer.policy.graphdef, train_temperature(spec))
 
     def rollout(self, step: int, examples) -> dict[str, Any]:
         import time

@@ -85,15 +85,20 @@ class MemoryPlan:
     dtype: str
     capacity_bytes: float | None = None
     capacity_name: str = "device memory"
+    # The KL reference pass's transient, when it is planned on its own (the compiled plan).
+    reference: dict[str, float] = dataclasses.field(default_factory=dict)
+    # "analytic": these formulas; "compiled": XLA's memory analysis of the run's programs
+    # (locojax.compiled_plan, on accelerators).
+    source: str = "analytic"
 
     @property
     def peak_bytes(self) -> float:
-        return (sum(self.persistent.values()) + max(sum(self.train.values()), sum(self.rollout.values()))
-                + self.runtime_bytes)
+        transients = (sum(self.train.values()), sum(self.rollout.values()), sum(self.reference.values()))
+        return sum(self.persistent.values()) + max(transients) + self.runtime_bytes
 
     @property
     def terms(self) -> dict[str, float]:
-        return {**self.persistent, **self.train, **self.rollout, "runtime": self.runtime_bytes}
+        return {**self.persistent, **self.train, **self.rollout, **self.reference, "runtime": self.runtime_bytes}
 
     @property
     def fits(self) -> bool:
@@ -109,9 +114,12 @@ class MemoryPlan:
 
         capacity = ("" if self.capacity_bytes is None else
                     f" of {self.capacity_bytes * USABLE_FRACTION / GiB:.2f} GiB usable {self.capacity_name}")
-        return (f"memory plan per device ({self.mesh.label()}, {self.dtype}, remat {self.remat}): peak "
+        reference = f", reference [{gib(self.reference)}]" if self.reference else ""
+        source = ", compiled" if self.source == "compiled" else ""
+        return (f"memory plan per device ({self.mesh.label()}, {self.dtype}, remat {self.remat}{source}): peak "
                 f"{self.peak_bytes / GiB:.2f} GiB{capacity} = persistent [{gib(self.persistent)}] + max(train "
-                f"[{gib(self.train)}], rollout [{gib(self.rollout)}]) + runtime {self.runtime_bytes / GiB:.2f} GiB")
+                f"[{gib(self.train)}], rollout [{gib(self.rollout)}]{reference}) + runtime "
+                f"{self.runtime_bytes / GiB:.2f} GiB")
 
 
 def plan_memory(config: ModelConfig, *, rows_per_host: int, prompt_len: int, new_len: int,
@@ -216,7 +224,9 @@ def refusal(plan: MemoryPlan) -> str:
     hints = []
     if term in ("params", "optimizer", "gradients", "rollout_params", "reference"):
         hints.append("more devices per host with placement.fsdp (shards params, gradients and AdamW state)")
-    if plan.remat == "none" and plan.train["activations"] > 0.1 * plan.peak_bytes:
+    # The analytic plan names the activations; the compiled one has them among the train step's temporaries.
+    activations = plan.train.get("activations", plan.train.get("train_temporaries", 0.0))
+    if plan.remat == "none" and activations > 0.1 * plan.peak_bytes:
         hints.append("model.remat: full (keeps one activation per layer)")
     if plan.dtype == "float32":
         hints.append("model.dtype: bfloat16 (halves every parameter-sized term)")
@@ -266,13 +276,14 @@ def spec_model_config(spec) -> ModelConfig:
         import json
         from pathlib import Path
 
-        from locojax.model.hf import config_from_hf
+        from locojax.model.hf_config import config_from_hf
 
         config_file = Path(spec.model.checkpoint) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model.checkpoint: {config_file.parent} holds no config.json (expected a HF "
                                     "directory, e.g. <output_dir>/model of a finished SFT run)")
-        return config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), dtype=spec.model.dtype)
+        return config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), name=config_file.parent.name,
+                              dtype=spec.model.dtype)
     from locojax.model.config import get_preset
 
     return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
