@@ -240,7 +240,7 @@ def locojax_side(args) -> None:
     import locojax.modes.common as common
     from locojax import metrics as m
     from locojax.modes.co import run_co
-    from locojax.placement.memory import GiB, plan_for_spec
+    from locojax.placement.memory import GiB, MemoryPlanError, plan_for_spec, refusal
 
     from bench.profile_trace import ProfiledSteps, annotated_phases, summarise_trace
 
@@ -251,9 +251,30 @@ def locojax_side(args) -> None:
     # The one change to the real CO loop: no early stop, so every row decodes all new tokens.
     real_sampling_config = common.sampling_config
     common.sampling_config = lambda spec, tok: dataclasses.replace(real_sampling_config(spec, tok), eos_id=None)
-    if args.plan_refusal == "off":  # the plan is still computed and recorded; a run it refuses is tried
-        common.check_spec_fits = lambda spec, devices, hosts, *, samples, echo=None: plan_for_spec(
-            spec, devices, hosts, samples=samples)
+
+    # The memory plan the engine checks (the analytic one on a CPU, the compiled one on an accelerator:
+    # common.plans_by_compiling) is kept for the record. With --plan-refusal off a run it refuses is tried.
+    plans: list = []
+    if args.compiled_plan:  # a dry run of the accelerator path on a CPU
+        common.plans_by_compiling = lambda platform: True
+
+    def checked_analytic_plan(spec, devices, hosts, *, samples, echo=None):
+        plan = plan_for_spec(spec, devices, hosts, samples=samples)
+        plans.append(plan)
+        print(plan.summary(), file=sys.stderr, flush=True)
+        if not plan.fits and args.plan_refusal == "on":
+            raise MemoryPlanError(refusal(plan))
+        return plan
+
+    real_compiled_plan = common.compiled_plan
+
+    def recorded_compiled_plan(**kwargs):
+        plan = real_compiled_plan(**kwargs)
+        plans.append(plan)
+        return plan if plan.fits or args.plan_refusal == "on" else dataclasses.replace(plan, capacity_bytes=None)
+
+    common.check_spec_fits = checked_analytic_plan
+    common.compiled_plan = recorded_compiled_plan
 
     generated: list[dict] = []
     real_texts = common.RolloutRunner.texts
@@ -287,18 +308,27 @@ def locojax_side(args) -> None:
             pass
 
     device = jax.devices()[0]
-    attempts, done = [], None
+    compiled = common.plans_by_compiling(device.platform)
+    attempts, done, side_started, longest = [], None, time.monotonic(), 0.0
     candidates = args.prompt_candidates or [base.prompts]
     total_steps = args.steps + (args.profile_steps + 1 if args.profile_steps else 0)
     for prompts in candidates:
         work = base.with_prompts(prompts)
-        plan = plan_for_spec(make_spec(work, total_steps, None, inputs), jax.local_devices(), 1, samples=True)
-        attempt = {"rows": work.rows, "prompts": prompts, "planned_gib": plan.peak_bytes / GiB,
-                   "plan_fits": plan.fits, "plan_line": plan.summary()}
+        attempt = {"rows": work.rows, "prompts": prompts, "plan_source": "compiled" if compiled else "analytic"}
         attempts.append(attempt)
-        if not plan.fits and args.plan_refusal == "on":
-            attempt.update(status="refused by the memory plan", error=None)
-            continue
+        if not compiled:  # the analytic plan costs nothing to ask before the run
+            plan = plan_for_spec(make_spec(work, total_steps, None, inputs), jax.local_devices(), 1, samples=True)
+            attempt.update(planned_gib=plan.peak_bytes / GiB, plan_fits=plan.fits, plan_line=plan.summary())
+            if not plan.fits and args.plan_refusal == "on":
+                attempt.update(status="refused by the memory plan", error=None)
+                continue
+        left = args.time_left_s - (time.monotonic() - side_started) if args.time_left_s else float("inf")
+        if attempts[:-1] and left < 1.2 * longest + 30:  # another attempt would not end in the stage's time
+            attempt.update(status="not tried: the stage's time", error=f"{left:.0f} s left, an attempt took "
+                                                                         f"{longest:.0f} s")
+            break
+        attempt_started = time.monotonic()
+        plans.clear()
         generated.clear()
         sink = StampSink()
         trace_dir = tempfile.mkdtemp(prefix="grpo-step-trace-") if args.profile_steps else None
@@ -309,12 +339,16 @@ def locojax_side(args) -> None:
                 with annotated_phases() if trace_dir else contextlib.nullcontext():
                     result = run_co(make_spec(work, total_steps, out, inputs), console=False, extra_sinks=sinks)
             except Exception as error:  # an attempt that does not fit: the next candidate is smaller
-                attempt.update(status="failed", error=_error_line(error))
+                refused = isinstance(error, MemoryPlanError)
+                attempt.update(status="refused by the memory plan" if refused else "failed", error=_error_line(error),
+                               **_plan_record(plans))
                 print(f"rows {work.rows}: {attempt['error']}", file=sys.stderr, flush=True)
                 del error
                 gc.collect()  # the failed run's device buffers, before the next candidate allocates
+                longest = max(longest, time.monotonic() - attempt_started)
                 continue
             total = time.perf_counter() - started
+        attempt.update(_plan_record(plans))
         if result.status != "succeeded" or result.steps_done != total_steps:
             attempt.update(status="failed", error=f"run_co ended {result.status} after {result.steps_done} steps")
             continue
@@ -353,10 +387,21 @@ def locojax_side(args) -> None:
         "peak_device_gib": max(device_peaks) if device_peaks else None,
         # The allocator's high-water mark lives as long as the process: after a failed attempt it is that one's.
         "peak_device_after_failed_attempt": any(a["status"] == "failed" for a in attempts),
-        "planned_gib": attempts[-1]["planned_gib"], "plan_line": attempts[-1]["plan_line"],
+        "planned_gib": attempts[-1].get("planned_gib"), "plan_line": attempts[-1].get("plan_line"),
+        "plan_source": attempts[-1]["plan_source"],
         "reward_mean": [r.get("reward/mean") for r in sink.records],
         "profile": profile,
     }), flush=True)
+
+
+def _plan_record(plans: list) -> dict:
+    """The memory plan the engine checked last (its peak, whether it fits, its line), where it got that far."""
+    if not plans:
+        return {}
+    plan = plans[-1]
+    from locojax.placement.memory import GiB
+
+    return {"planned_gib": plan.peak_bytes / GiB, "plan_fits": plan.fits, "plan_line": plan.summary()}
 
 
 def _device_record(device) -> dict:
@@ -490,6 +535,9 @@ class Orchestrator:
                 command += ["--model-preset", args.model_preset]
             if profile and args.profile_steps:
                 command += ["--profile-steps", str(args.profile_steps)]
+            if args.compiled_plan:
+                command += ["--compiled-plan"]
+            command += ["--time-left-s", f"{timeout:.0f}"]
             out = run_side(command, log, side_env(args.platform), timeout)
         else:
             config_path = self.logs / f"{self.count:02d}-peer_config.json"
@@ -728,6 +776,9 @@ def main() -> None:
     parser.add_argument("--side", choices=["locojax"], help=argparse.SUPPRESS)  # internal
     parser.add_argument("--prompt-candidates", type=lambda s: [int(p) for p in s.split(",") if p],
                         default=None, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--time-left-s", type=float, default=None, help=argparse.SUPPRESS)  # internal
+    # Development only: our side plans memory as on an accelerator (compiled programs), on a CPU.
+    parser.add_argument("--compiled-plan", action="store_true", help=argparse.SUPPRESS)
     # Development only: size c at a small preset, to check its paths on a CPU.
     parser.add_argument("--model-preset", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -219,9 +219,10 @@ def cache_arguments(args, work: Path, round_index: int) -> tuple[list[str], dict
     """What round `round_index` runs with under `--compilation-cache cold-warm`: round 0 with an empty
     persistent compilation cache folder, every later round with the same folder (filled by round 0):
     the engine's `--compilation-cache DIR` where `locojax train` has it, else JAX's own variables
-    (the same cache). Elsewhere: nothing (no persistent cache, as before)."""
+    (the same cache). Under `off`, none: `--no-compilation-cache` where `locojax train` would otherwise
+    use its default folder, shared with earlier runs."""
     if args.compilation_cache == "off":
-        return [], {}, None
+        return (["--no-compilation-cache"] if engine_has_cache_flag() else []), {}, None
     folder = work / "compilation-cache"
     if round_index == 0:
         shutil.rmtree(folder, ignore_errors=True)

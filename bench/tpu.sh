@@ -62,7 +62,7 @@ peer_path=$base${base:+:}$targets/peer
 peer_python=${PEER_PYTHON:-$py}
 export PYTHONPATH=$engine_path
 
-ENGINE_PACKAGES="flax optax orbax-checkpoint pydantic pyyaml typer rich tokenizers safetensors math-verify pyarrow"
+ENGINE_PACKAGES="flax optax orbax-checkpoint pydantic pyyaml typer rich tokenizers safetensors math-verify pyarrow tensorboard"
 # The tests stage's: tests/conftest.py imports sqlalchemy; pyproject's addopts need pytest-timeout;
 # the HF parity tests need transformers and torch (a CPU build, only from $TORCH_WHEELS).
 TEST_PACKAGES="sqlalchemy pytest-timeout transformers"
