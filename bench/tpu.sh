@@ -6,7 +6,7 @@
 # date, the platform and device kind it measured; a stage that fails leaves the others' files. A full
 # refresh may span several sessions: commit the parts under bench/results/tpu_parts/, then
 # `python3 bench/tpu_merge.py bench/results/tpu_parts` writes bench/results/grpo_step_tpu.json and
-# scale_tpu.json (parts of different commits are marked so). Stage logs end in OUTDIR/logs.tar.gz.
+# scale_tpu.json (parts of different commits are marked so). Stage logs end in OUTDIR/logs-HHMMSS.tar.gz.
 #
 # Stages, with their wall time expected on a TPU v5e (cold compiles, as measured at 905e03a) and limit:
 #   install      ~1.5 min (limit 4 min): the engine's packages (and the test stage's: pytest-timeout,
@@ -30,9 +30,10 @@
 # `install` (with `tests`) first. Nothing is pip-installed after the install stage.
 #
 # Settings (environment): PYTHON (python3); PLATFORM (tpu; `cpu` dry-runs every stage here);
-# LOCAL_INDEX, WHEELS, TORCH_WHEELS (above); C_ROWS or C_ROWS_PART (size-c1/c2's rows, where OUTDIR does
-# not hold the size-c-rows part: an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu); WORK (/tmp/locojax-tpu/work,
-# the 0.6B inputs, built once per machine); LOCOJAX_BENCH_COMMIT (where the checkout has no .git);
+# LOCAL_INDEX, WHEELS, TORCH_WHEELS (above); C_ROWS or C_ROWS_PART (size-c1/c2's rows where OUTDIR does
+# not hold the size-c-rows part, e.g. an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu);
+# WORK (/tmp/locojax-tpu/work: the 0.6B inputs, which size c builds once per machine); COMMAND_S (below);
+# LOCOJAX_BENCH_COMMIT (where the checkout has no .git);
 # SCALE_ARGS, GRPO_ARGS, C_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's:
 #   a dry run here: PLATFORM=cpu SCALE_ARGS="--model-preset tiny" C_ARGS="--model-preset small --max-prompts 2").
 set -u
