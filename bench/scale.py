@@ -58,6 +58,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `bench.*` when run as a script
 RESULTS = ROOT / "bench" / "results" / "scale.json"
 GiB = 1024**3
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -161,7 +163,18 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
+# JAX_PLATFORMS per --platform; on a TPU it stays unset (JAX picks the chip), as a user's run has it.
+JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": None}
+
+
+def platform_env(platform: str, base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """`base` (default: this process's environment) with JAX_PLATFORMS set for `platform`."""
+    env = {**(os.environ if base is None else base), "TF_CPP_MIN_LOG_LEVEL": "2", **extra}
+    if JAX_PLATFORM[platform] is None:
+        env.pop("JAX_PLATFORMS", None)
+    else:
+        env["JAX_PLATFORMS"] = JAX_PLATFORM[platform]
+    return env
 
 
 PLAN_LINE = re.compile(r"memory plan per device .*?: peak ([0-9.]+) GiB")
@@ -184,10 +197,43 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
             "peak_device_gib": max(device_peaks) if device_peaks else None,
             "checkpoint_s": max(float(r.get("time/checkpoint", 0.0)) for r in rows),
             "rollout_s": median("time/rollout"),
+            "completion_len_mean": median("completion/len_mean") if any("completion/len_mean" in r for r in steady)
+            else None,
             "train_s": median("time/train"), "rollout_tokens_per_s": median("throughput/rollout_tokens_per_s"),
             "first_step_s": float(by_step[min(by_step)]["time/step"]) if by_step else None,
             "per_step_s": [float(by_step[s]["time/step"]) for s in sorted(by_step)],
             "completion_len_max": [by_step[s].get("completion/len_max") for s in sorted(by_step)]}
+
+
+def engine_has_cache_flag() -> bool:
+    """Whether `locojax train` takes `--compilation-cache DIR` at this commit."""
+    import inspect
+
+    from locojax import commands
+
+    return any("--compilation-cache" in (getattr(parameter.default, "param_decls", None) or ())
+               or name == "compilation_cache" for name, parameter in inspect.signature(commands.train).parameters.items())
+
+
+def cache_arguments(args, work: Path, round_index: int) -> tuple[list[str], dict[str, str], dict | None]:
+    """What round `round_index` runs with under `--compilation-cache cold-warm`: round 0 with an empty
+    persistent compilation cache folder, every later round with the same folder (filled by round 0):
+    the engine's `--compilation-cache DIR` where `locojax train` has it, else JAX's own variables
+    (the same cache). Under `off`, none: `--no-compilation-cache` where `locojax train` would otherwise
+    use its default folder, shared with earlier runs."""
+    if args.compilation_cache == "off":
+        return (["--no-compilation-cache"] if engine_has_cache_flag() else []), {}, None
+    folder = work / "compilation-cache"
+    if round_index == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = sum(1 for _ in folder.rglob("*") if _.is_file())
+    record = {"dir": str(folder), "files_before": entries, "state": "cold" if entries == 0 else "warm"}
+    if engine_has_cache_flag():
+        return ["--compilation-cache", str(folder)], {}, {**record, "via": "locojax train --compilation-cache"}
+    env = {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return [], env, {**record, "via": "JAX_COMPILATION_CACHE_DIR (locojax train has no --compilation-cache here)"}
 
 
 def run_cli(paths, args, work: Path, round_index: int) -> dict:
@@ -196,17 +242,21 @@ def run_cli(paths, args, work: Path, round_index: int) -> dict:
     spec_path.write_text(json.dumps(make_spec(paths, args, f"scale-cli-{round_index}", out)))
     logs = work / f"cli-{round_index}-logs"
     logs.mkdir(exist_ok=True)
+    flags, cache_env, cache = cache_arguments(args, work, round_index)
     # Peak RSS sampled from the child's VmHWM (`run_process`): wait4's ru_maxrss would carry this
     # process's own high-water mark (it timed the decode kernel on the loaded 0.6B model) into the child's.
-    done = run_process([sys.executable, "-m", "locojax.cli", "train", str(spec_path)], logs, timeout_s=7200,
-                       platform=args.platform)
+    done = run_process([sys.executable, "-m", "locojax.cli", "train", str(spec_path), *flags], logs, timeout_s=7200,
+                       platform=args.platform, env={**os.environ, **cache_env})
     text = (logs / "stdout.log").read_text() + (logs / "stderr.log").read_text()
     if done["returncode"] != 0:
         raise RuntimeError(f"locojax train failed (status {done['returncode']}):\n{text[-3000:]}")
     planned = PLAN_LINE.search(text)
     figures = step_figures(out / "metrics.jsonl", args.steps)
     figures.update(wall_s=done["wall_s"], peak_rss_gib=done["peak_rss_gib"],
-                   planned_gib=float(planned.group(1)) if planned else None, plan_line=planned.group(0) if planned else None)
+                   planned_gib=float(planned.group(1)) if planned else None, plan_line=planned.group(0) if planned else None,
+                   compilation_cache=cache)
+    if cache:
+        cache["files_after"] = sum(1 for _ in Path(cache["dir"]).rglob("*") if _.is_file())
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # ~7 GB of Orbax state per run
     return figures
 
@@ -299,7 +349,7 @@ def machine_limits(paths, args) -> dict:
         args={k: getattr(args, k) for k in ("prompts", "group", "prompt_tokens", "new_tokens", "dtype", "platform",
                                             "decode_rows")})
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=_env(JAX_PLATFORMS=JAX_PLATFORM[args.platform]))
+                          env=platform_env(args.platform, _env()))
     if done.returncode != 0:
         raise RuntimeError(f"measuring the machine's limits failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -420,11 +470,12 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     from locojax.train import split_params
 
     paths = {k: Path(v) for k, v in paths.items()}
-    dtype, on_gpu = getattr(args, "dtype", "float32"), getattr(args, "platform", "cpu") == "gpu"
-    # On a GPU: the model's own dtype at a size that keeps the tensor cores busy past the launch;
-    # the same read at 4 GiB, so one call is ~1 ms and not its dispatch.
-    matmul = matmul_peak(dtype, 8192) if on_gpu else measure_matmul_flops(size=2048, repeats=5)
-    bandwidth_gib = 4 if on_gpu else 1
+    dtype = getattr(args, "dtype", "float32")
+    on_accelerator = getattr(args, "platform", "cpu") in ("gpu", "tpu")
+    # On an accelerator: the model's own dtype at a size that keeps the matrix units busy past the
+    # launch; the same read at 4 GiB, so one call is ~1-5 ms of HBM traffic and not its dispatch.
+    matmul = matmul_peak(dtype, 8192) if on_accelerator else measure_matmul_flops(size=2048, repeats=5)
+    bandwidth_gib = 4 if on_accelerator else 1
     model = load_hf_checkpoint(paths["model"], dtype=dtype)
     config = model.config
     graphdef, params = split_params(model)
@@ -521,21 +572,59 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
                                                        "head_dim", "d_ff", "tie_embeddings", "max_seq_len")}}
 
 
-def train_vs_matmul_peak(limits: dict, args, train_s: float) -> float:
-    """The train phase's model FLOP/s over the limits' measured matmul peak."""
-    return train_model_flops(limits, args) / train_s / (limits["matmul_peak_gflop_s"] * 1e9)
+# The bf16 matrix peak a TPU v5e chip is sold at, beside the one measured in the limits' process.
+NOMINAL_PEAK_FLOP_S = {"TPU v5 lite": 197e12}
 
 
-def train_model_flops(limits: dict, args) -> float:
-    """Model FLOPs of one train step (remat's recompute excluded, as MFU counts them): 6 x the layers'
-    parameters x every slot (the step runs on padded slots too), plus 6 x the head for the scored
-    completion slots, plus attention's 4 x width x context per token per layer, x3 for the backward."""
-    config = limits["config"]
-    rows, seq = args.prompts * args.group, args.prompt_tokens + args.new_tokens
-    head = config["vocab_size"] * config["d_model"]
-    body = limits["params"] - head
-    attention = 3 * 4 * config["n_layers"] * config["n_heads"] * config["head_dim"] * seq / 2
-    return 6 * body * rows * seq + 6 * head * rows * args.new_tokens + attention * rows * seq
+def prompt_lengths(paths, args, steps: range) -> list[int]:
+    """Tokens (BOS included, truncated to the prompt buffer as the engine's encode_prompts does) of every
+    row's prompt at `steps`, as `run_co` draws them (host 0 of 1, each prompt repeated group times)."""
+    from locojax.spec import TaskSpec
+    from locojax.tasks import host_shard, make_task
+    from locojax.tokenizer import load_tokenizer
+
+    task = make_task(TaskSpec(name="gsm8k", path=str(paths["data"])))
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    return [min(len(tokenizer.encode(e.prompt, add_bos=True)), args.prompt_tokens)
+            for step in steps for e in host_shard(task, args.seed, step, args.prompts, 0, 1)
+            for _ in range(args.group)]
+
+
+def train_model_flops(config, args, prompt_tokens: list[int], completion_len: float) -> dict:
+    """Model FLOPs of one train step as MaxText counts them: 6 x the matmul parameters (every layer's
+    projections and MLP, and the LM head; not the embedding lookup or the norms) x the batch's
+    non-padding tokens, plus attention, 6 x layers x query heads x head dim x the sum over rows of
+    their length squared (causal: half of 4 x L^2 forward, x3 with the backward). A rematerialised
+    forward is not counted. `prompt_tokens`: each row's prompt length over the steps averaged;
+    `completion_len`: the mean completion length the rounds logged (completion/len_mean)."""
+    from locojax.model.config import param_count
+
+    layer = (config.d_model * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+             + 3 * config.d_model * config.d_ff)
+    matmul_params = config.n_layers * layer + config.vocab_size * config.d_model
+    per_row = len(prompt_tokens) / (args.prompts * args.group)  # steps averaged over
+    lengths = [p + completion_len for p in prompt_tokens]
+    tokens = sum(lengths) / per_row
+    attention = 6 * config.n_layers * config.n_heads * config.head_dim * sum(n * n for n in lengths) / per_row
+    return {"flops": 6 * matmul_params * tokens + attention, "matmul_params": matmul_params,
+            "params": param_count(config), "nonpadding_tokens_per_step": tokens, "attention_flops": attention,
+            "prompt_tokens_mean": statistics.mean(prompt_tokens), "completion_tokens_mean": completion_len,
+            "method": "MaxText: 6 x matmul params (LM head incl.) x non-padding tokens + causal attention "
+                      "(6 x layers x heads x head_dim x sum of rows' length^2); remat's recompute not counted"}
+
+
+def apply_limits(result: dict, limits: dict) -> None:
+    """The limits' figures into `result` (scale.json's keys): decode_vs_roofline, and the train phase's
+    model FLOP/s over the matmul peak measured with them (and over the chip's nominal peak)."""
+    result["limits"] = limits
+    result["decode_vs_roofline"] = limits["decode_vs_roofline"]
+    flops, train_s = result.get("train_model_flops_per_step"), result.get("train_s")
+    achieved = flops / train_s if flops and train_s else None
+    result["train_flop_s"] = achieved
+    result["train_vs_matmul_peak"] = achieved / (limits["matmul_peak_gflop_s"] * 1e9) if achieved else None
+    nominal = NOMINAL_PEAK_FLOP_S.get(limits.get("device_kind"))
+    if nominal:
+        result["train_vs_197_tflops"] = achieved / nominal if achieved else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,7 +715,7 @@ def peer_config(paths, args, peer_steps: int) -> dict:
 
 
 def run_process(command: list[str], log_dir: Path, timeout_s: float, sample_s: float = 0.5,
-                platform: str = "cpu") -> dict:
+                platform: str = "cpu", env: dict[str, str] | None = None) -> dict:
     """Runs `command` in its own session, killed (with everything it started) after `timeout_s`.
 
     Peak RSS is the child's VmHWM, read every `sample_s` while it runs (a high-water mark, so only growth
@@ -638,7 +727,7 @@ def run_process(command: list[str], log_dir: Path, timeout_s: float, sample_s: f
     import threading
 
     stdout_path, stderr_path = log_dir / "stdout.log", log_dir / "stderr.log"
-    env = {**os.environ, "JAX_PLATFORMS": JAX_PLATFORM[platform], "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = platform_env(platform, env)
     timed_out, exited = threading.Event(), threading.Event()
     peak = [0]
     oom_before = _oom_kills()
@@ -820,13 +909,24 @@ def merge_peer(result: dict, peer: dict, args, work: Path | None) -> None:
         f"{'; LoCoJAX decoded slots not recorded (peer.identical_work.note)' if check['locojax_ok'] is None else ''}")
 
 
-def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_before, wall_s: float) -> dict:
-    """scale.json's figures from the phases' results."""
+def summarise(args, limits: dict | None, rounds: list[dict], rest: dict | None, load_before, wall_s: float,
+              paths: dict | None = None) -> dict:
+    """scale.json's figures from the phases' results (the limits' figures, where they were measured
+    in this run, by `apply_limits`). Model FLOPs count the prompts' real lengths from `paths`' task
+    and tokenizer; without `paths`, every prompt slot."""
+    from locojax.model import get_preset
+
     step_times = [r["step_s"] for r in rounds]
     train_s = statistics.median(r["train_s"] for r in rounds)
-    model_flops = train_model_flops(limits, args)
+    completions = [r["completion_len_mean"] for r in rounds if r.get("completion_len_mean")]
+    # The prompts of the steps step_s and train_s are medians of (every step after the first).
+    prompts = (prompt_lengths(paths, args, range(1, max(args.steps, 2))) if paths is not None
+               else [args.prompt_tokens] * args.prompts * args.group)
+    flops = train_model_flops(get_preset(args.model_preset), args, prompts,
+                              statistics.median(completions) if completions else args.new_tokens)
     peak = max(r["peak_rss_gib"] for r in rounds)
     planned = rounds[0]["planned_gib"]
+    caches = [r.get("compilation_cache") for r in rounds]
     result = {
         "benchmark": "scale", "model": f"{args.model_preset} (exact config, random weights)", "mode": "co",
         "seed": args.seed, "commit": source_commit(),
@@ -847,12 +947,20 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
         "peak_device_gib": max((r.get("peak_device_gib") or 0.0) for r in rounds) or None,
         "peak_device_vs_plan": (max((r.get("peak_device_gib") or 0.0) for r in rounds) / planned
                                 if planned and any(r.get("peak_device_gib") for r in rounds) else None),
+        # From the run loop's start (device open, model built) to the end of step 0 (its time/step), with
+        # an empty persistent compilation cache, then from the one round 0 filled (--compilation-cache).
+        "first_step_s_cold": rounds[0]["first_step_s"] if caches[0] else None,
+        "first_step_s_warm": (statistics.median(r["first_step_s"] for r, c in zip(rounds, caches)
+                                                if c and c["state"] == "warm")
+                              if any(c and c["state"] == "warm" for c in caches) else None),
+        "first_step_s_rounds": [r["first_step_s"] for r in rounds],
         "rest": rest,
-        "decode_vs_roofline": limits["decode_vs_roofline"],
-        "train_model_flops_per_step": model_flops,
+        "decode_vs_roofline": None,
+        "train_model_flops_per_step": flops["flops"],
+        "train_flops": flops,
         "train_s": train_s,
-        "train_vs_matmul_peak": train_vs_matmul_peak(limits, args, train_s),
-        "limits": limits,
+        "train_vs_matmul_peak": None,
+        "limits": None,
         "rounds": rounds,
         "ratio_vs_peer": None,
         "peer_note": ("no Tunix run recorded: the bench ran with --no-peer, or its peer had not finished when this "
@@ -862,6 +970,8 @@ def summarise(args, limits: dict, rounds: list[dict], rest: dict | None, load_be
         "load_note": args.load_note,
         "cpu_count": os.cpu_count(), "wall_s": wall_s,
     }
+    if limits is not None:
+        apply_limits(result, limits)
     return result
 
 
@@ -871,9 +981,13 @@ def _write(path: Path, result: dict) -> None:
 
 
 def run_locojax(args, work: Path) -> dict:
-    """The LoCoJAX phases (machine limits, `locojax train` rounds, the REST run): scale.json's figures."""
+    """The LoCoJAX phases (machine limits, `locojax train` rounds, the REST run, the profiled run):
+    scale.json's figures."""
     load_before = os.getloadavg()
     started = time.monotonic()
+    if not args.resume_partial:  # a --work reused from an earlier run: its run directories are not this run's
+        for stale in [*work.glob("cli-*"), *work.glob("profile-*")]:
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     paths = input_paths(work, args.model_preset) if args.resume_partial else (
         build_inputs(work, args.seed, args.model_preset))
     # Each phase's figures land in <out>.partial as they come, so a failure late keeps the rest.
@@ -883,17 +997,96 @@ def run_locojax(args, work: Path) -> dict:
         limits, rounds = done["limits"], done.get("rounds", [])
         load_before = tuple(done.get("load_average_before", load_before))
     else:
-        limits, rounds = machine_limits(paths, args), []
+        limits, rounds = (None if args.skip_limits else machine_limits(paths, args)), []
     partial.write_text(json.dumps({"limits": limits, "load_average_before": load_before}, indent=2))
     for index in range(len(rounds), args.rounds):
         rounds.append(run_cli(paths, args, work, index))
         partial.write_text(json.dumps({"limits": limits, "rounds": rounds, "load_average_before": load_before},
                                       indent=2))
     rest = None if args.no_rest else run_rest(paths, args, work)
+    profile = profile_run(paths, args, work) if args.profile_steps else None
     partial.unlink(missing_ok=True)
-    result = summarise(args, limits, rounds, rest, load_before, time.monotonic() - started)
+    result = summarise(args, limits, rounds, rest, load_before, time.monotonic() - started, paths)
     result["inputs_sha256"] = input_digests(paths)
+    if profile is not None:
+        result["profile"] = profile
+        result["device_idle_fraction"] = profile.get("device_idle_fraction")
+    if args.runs_tar:
+        result["runs_tar"] = pack_run_files(work, args.runs_tar)
     return result
+
+
+PROFILE_CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from bench.scale import profile_child
+print(json.dumps(profile_child({spec!r}, {trace!r}, {first!r}, {steps!r})))
+"""
+
+
+def profile_child(spec_json: str, trace_dir: str, first_step: int, steps: int) -> dict:
+    """Runs the spec's CO loop in this process with steps `first_step` .. `first_step + steps - 1`
+    traced (bench/profile_trace.py): the trace's summary and the device it ran on."""
+    from bench.profile_trace import ProfiledSteps, annotated_phases, summarise_trace
+    from locojax.modes.co import run_co
+    from locojax.spec import RunSpec
+
+    spec = RunSpec.model_validate_json(spec_json)
+    with annotated_phases():
+        result = run_co(spec, console=False, extra_sinks=[ProfiledSteps(trace_dir, first_step, steps)])
+    if result.status != "succeeded":
+        raise RuntimeError(f"the profiled run ended {result.status} after {result.steps_done} steps")
+    import jax
+
+    device = jax.devices()[0]
+    return {**summarise_trace(trace_dir), "device": {"platform": device.platform, "device_kind": device.device_kind}}
+
+
+def profile_run(paths, args, work: Path) -> dict:
+    """One more run of the rounds' spec (in a child process; from the compilation cache the rounds
+    filled, where --compilation-cache is on) whose steps after the first are profiled: where the
+    steady step's time goes (top ops by time, per phase) and how much of it the device idles."""
+    from locojax.spec import RunSpec
+
+    out = work / "profile-run"
+    spec = RunSpec.model_validate(make_spec(paths, args, "scale-profile", out)).model_copy(
+        update={"steps": args.profile_steps + 2})  # step 0 compiles; the last one saves the checkpoint
+    trace = work / "profile-trace"
+    shutil.rmtree(trace, ignore_errors=True)
+    code = PROFILE_CHILD.format(root=str(ROOT), spec=spec.model_dump_json(), trace=str(trace), first=1,
+                                steps=args.profile_steps)
+    cache_env = {}
+    if args.compilation_cache != "off":
+        cache_env = {"JAX_COMPILATION_CACHE_DIR": str(work / "compilation-cache"),
+                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=platform_env(args.platform, _env(), **cache_env))
+    (work / "profile-run-stderr.log").write_text(done.stderr)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    if done.returncode != 0:
+        return {"error": f"the profiled run failed (status {done.returncode}): "
+                         + " | ".join(done.stderr.strip().splitlines()[-3:])[-1500:]}
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary.update(wall_s=time.monotonic() - started, compilation_cache=cache_env.get("JAX_COMPILATION_CACHE_DIR"))
+    return summary
+
+
+RUN_FILES = ("metrics.jsonl", "spec.yaml", "result.json", "stdout.log", "stderr.log")
+
+
+def pack_run_files(work: Path, tar_path: Path) -> dict:
+    """Every run directory's metrics.jsonl, spec.yaml and result.json (and the runs' logs) in one
+    tarball, for calibrating the placement model later."""
+    import tarfile
+
+    files = sorted(p for p in work.rglob("*") if p.is_file() and p.name in RUN_FILES
+                   and "checkpoints" not in p.parts)
+    tar_path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tar_path, "w:gz") as tar:
+        for path in files:
+            tar.add(path, arcname=str(path.relative_to(work)))
+    return {"file": tar_path.name, "members": [str(p.relative_to(work)) for p in files]}
 
 
 def load_recorded_run(args, flag: str) -> dict:
@@ -936,11 +1129,11 @@ def rerun_limits(args) -> None:
     full_run = {"full_run_train_vs_matmul_peak": result.get("train_vs_matmul_peak"),
                 "full_run_matmul_peak_gflop_s": result.get("limits", {}).get("matmul_peak_gflop_s")}
     limits = machine_limits(paths, args)
-    result["limits"] = limits
-    result["decode_vs_roofline"] = limits["decode_vs_roofline"]
+    apply_limits(result, limits)
     # The rounds' train time is of their dtype: against another dtype's matmul peak it means nothing.
-    same_dtype = result["batch"].get("dtype", "float32") == args.dtype
-    result["train_vs_matmul_peak"] = train_vs_matmul_peak(limits, args, result["train_s"]) if same_dtype else None
+    if result["batch"].get("dtype", "float32") != args.dtype:
+        result["train_vs_matmul_peak"] = None
+        result.pop("train_vs_197_tflops", None)
     result["limits_rerun"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": source_commit(),
                               "dtype": args.dtype, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                               "load_average_before": load_before, "load_average_after": os.getloadavg(),
@@ -950,6 +1143,25 @@ def rerun_limits(args) -> None:
     _write(args.out, result)
     print(json.dumps({k: result[k] for k in ("decode_vs_roofline", "train_vs_matmul_peak")}
                      | {"decode_vs_roofline_sample_range": limits["decode_vs_roofline_sample_range"]}, indent=2))
+
+
+def limits_part(args, work: Path) -> None:
+    """--limits-part: the limits phase alone on this run's batch, written as a part of a refresh
+    (bench/tpu_merge.py completes the `scale` part's rounds with it)."""
+    from bench.tpu_merge import part_header
+
+    paths = input_paths(work, args.model_preset)
+    if not ((paths["model"] / "config.json").is_file() and paths["data"].is_file()):
+        paths = build_inputs(work, args.seed, args.model_preset)
+    limits = machine_limits(paths, args)
+    part = {"benchmark": "scale_limits",
+            **part_header(args.stage, platform=limits["platform"], device_kind=limits["device_kind"]),
+            "batch": {"prompts": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
+                      "max_new_tokens": args.new_tokens, "dtype": args.dtype, "remat": args.remat},
+            "inputs_sha256": input_digests(paths), "limits": limits, "load_note": args.load_note}
+    _write(args.out, part)
+    print(json.dumps({k: limits[k] for k in ("decode_vs_roofline", "decode_step_s", "stream_bandwidth_gb_s",
+                                             "matmul_peak_gflop_s", "device_kind")}, indent=2))
 
 
 def load_for_peer_only(args, work: Path) -> tuple[dict, str]:
@@ -1001,8 +1213,22 @@ def main() -> None:
     parser.add_argument("--remat", choices=("none", "full"), default="full")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model.dtype of the runs and of the limits phase's decode")
-    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
-                        help="where the engine's processes run (JAX_PLATFORMS); figures are only compared within one")
+    parser.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default="cpu",
+                        help="where the engine's processes run (JAX_PLATFORMS; unset on a TPU); figures are only "
+                             "compared within one. A TPU VM opens no socket: no REST phase there")
+    parser.add_argument("--compilation-cache", choices=("off", "cold-warm"), default="off",
+                        help="cold-warm: round 0 with an empty persistent compilation cache folder, later rounds "
+                             "with the one it filled (first_step_s_cold, first_step_s_warm)")
+    parser.add_argument("--skip-limits", action="store_true",
+                        help="no limits phase (bench/tpu.sh measures it in a stage of its own, --limits-part)")
+    parser.add_argument("--limits-part", action="store_true",
+                        help="only the limits phase, written to --out as a part of a refresh (bench/tpu_merge.py)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the rounds, one more run with this many steady steps profiled: "
+                             "device_idle_fraction and the top ops by time per phase")
+    parser.add_argument("--runs-tar", type=Path, default=None,
+                        help="a tarball of every run directory's metrics.jsonl, spec.yaml, result.json and logs")
+    parser.add_argument("--stage", default=None, help="the bench/tpu.sh stage this is: the JSON becomes its part")
     parser.add_argument("--decode-rows", type=_row_counts, default=(1, 4, 8),
                         help="the limits phase also times decode at these row counts (comma-separated; those "
                              "below prompts x group), to show where the step turns from weights- to matmul-bound")
@@ -1027,6 +1253,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.peer_only and (not args.peer or args.resume_partial):
         parser.error("--peer-only goes with neither --no-peer nor --resume-partial")
+    if args.platform == "tpu":
+        args.no_rest = True  # no socket can open there
+    if args.limits_part:
+        work = args.work or Path(tempfile.mkdtemp(prefix="locojax-scale-"))
+        work.mkdir(parents=True, exist_ok=True)
+        limits_part(args, work)
+        return
     if args.limits_only:
         if args.work is None or args.peer_only or args.resume_partial:
             parser.error("--limits-only needs --work (the model it times) and goes with neither --peer-only "
@@ -1042,6 +1275,14 @@ def main() -> None:
             result, inputs = load_for_peer_only(args, work)
         else:
             result = run_locojax(args, work)
+            if args.stage:
+                from bench.tpu_merge import part_header
+
+                device = (result.get("profile") or {}).get("device") or {}
+                result.update(part_header(args.stage, platform=device.get("platform", args.platform),
+                                          device_kind=device.get("device_kind")))
+                if args.platform == "tpu":
+                    result["rest_note"] = "no REST phase: the TPU VM opens no socket"
             # Written before the peer starts, so its failure or a crash here cannot lose LoCoJAX's figures.
             _write(args.out, result)
             print(json.dumps({k: result[k] for k in ("steps_completed", "step_s", "rollout_tokens_per_s",

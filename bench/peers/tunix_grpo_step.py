@@ -1,6 +1,8 @@
 """Peer side of bench/grpo_step.py and bench/scale.py: Tunix 0.1.7's `GRPOLearner`, timed step by step.
 
-Runs ONLY inside the Tunix venv (bench/.peer-venvs/tunix) and imports nothing from this project:
+Runs ONLY in a Python that imports Tunix (on a CPU the venv bench/.peer-venvs/tunix; on a TPU the
+machine's Python with the peer's own target folder on PYTHONPATH, bench/tpu.sh) and imports nothing
+from this project:
 
     bench/.peer-venvs/tunix/bin/python bench/peers/tunix_grpo_step.py CONFIG.json
 
@@ -284,6 +286,12 @@ def main(config_path: str) -> None:
         "versions": {"jax": jax.__version__, "tunix": _version("google-tunix"), "flax": _version("flax"),
                      "optax": _version("optax")},
         "devices": len(jax.devices()),
+        # The allocator's high-water mark where the runtime reports one (an accelerator's), for memory headroom.
+        "peak_device_gib": ((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use") or 0) / 2**30 or None,
+        "device": {"platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind},
+        # The benchmark runs both sides with JAX's persistent compilation cache off: every run compiles cold.
+        "compilation_cache": {"enabled": bool(jax.config.jax_enable_compilation_cache),
+                              "dir": jax.config.jax_compilation_cache_dir},
     }
     print(json.dumps(result), flush=True)
 

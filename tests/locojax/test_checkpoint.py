@@ -79,6 +79,7 @@ def test_restore_latest_on_an_empty_directory_is_none_and_every_zero_never_saves
         Checkpointer(tmp_path, keep=0)
 
 
+@pytest.mark.usefixtures("four_cpu_devices")
 def test_restore_uses_the_template_sharding_and_load_params_warm_starts(tmp_path):
     state = state_at(3)
     expected = host_copy(state)

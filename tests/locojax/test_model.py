@@ -83,6 +83,7 @@ def test_left_padding_does_not_change_real_token_logits():
     np.testing.assert_allclose(np.asarray(out[:, 3:]), np.asarray(alone), atol=1e-5)
 
 
+@pytest.mark.usefixtures("four_cpu_devices")
 def test_sharded_forward_on_four_devices_equals_unsharded():
     assert jax.device_count() == 4, "tests/locojax/conftest.py asks for 4 CPU devices"
     config = get_preset("tiny")
@@ -100,6 +101,7 @@ def test_sharded_forward_on_four_devices_equals_unsharded():
     np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=1e-5)
 
 
+@pytest.mark.usefixtures("four_cpu_devices")
 def test_rules_replicate_axes_the_mesh_does_not_divide():
     mesh = make_mesh(tensor=4)
     assert logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), mesh) == jax.sharding.PartitionSpec(

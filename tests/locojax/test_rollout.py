@@ -117,6 +117,7 @@ def test_sampling_is_reproducible_per_key_and_varies_across_keys():
     assert (first.tokens != rollout(0.0, None).tokens).any()
 
 
+@pytest.mark.usefixtures("four_cpu_devices")
 def test_the_batch_is_sharded_over_local_devices():
     graphdef, params = model()
     sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, eos_id=None, pad_id=TOKENIZER.pad_id)
@@ -146,6 +147,7 @@ def test_max_seq_len_is_checked():
         make_generate_fn(CONFIG, graphdef, SamplingConfig(max_new_tokens=CONFIG.max_seq_len), 8, 4)
 
 
+@pytest.mark.usefixtures("four_cpu_devices")
 def test_samples_depend_on_the_global_row_not_on_how_the_batch_is_split():
     """Per-row keys: one call over 8 rows on 4 devices == two calls over 4 rows on 1 device each with
     row offsets 0 and 4 (what 1 host x 4 devices and 2 hosts would do)."""

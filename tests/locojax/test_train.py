@@ -141,6 +141,7 @@ def gradient_all_reduces(compiled_text: str) -> list[str]:
 
 # packed: the step is given the mesh, reduces gradients as one buffer (2 rows of each micro-batch per
 # device); jit: no mesh, jax.jit places the collectives (micro-batches of 2 rows over 4 devices).
+@pytest.mark.usefixtures("four_cpu_devices")
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "jit"])
 def test_micro_batches_on_a_sharded_mesh_equal_the_full_batch(packed):
     """Micro-batches over a batch sharded on 4 devices give the full-batch update (float32)."""

@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# The engine on one TPU chip against Tunix, stage by stage (issue 37):
+#   bash bench/tpu.sh OUTDIR [STAGE ...]         (no STAGE: all of them, in the order below)
+# Runs on a TPU VM with the project checked out. Each stage has its own time limit and writes its
+# part, OUTDIR/part_<stage>.json, headed with the commit (git, else $LOCOJAX_BENCH_COMMIT), the UTC
+# date, the platform and device kind it measured; a stage that fails leaves the others' files. A full
+# refresh may span several sessions: commit the parts under bench/results/tpu_parts/, then
+# `python3 bench/tpu_merge.py bench/results/tpu_parts` writes bench/results/grpo_step_tpu.json and
+# scale_tpu.json (parts of different commits are marked so). Stage logs end in OUTDIR/logs-HHMMSS.tar.gz.
+#
+# Stages, with their wall time expected on a TPU v5e (cold compiles, as measured at 905e03a) and limit:
+#   install      ~1.5 min (limit 4 min): the engine's packages (and the test stage's: pytest-timeout,
+#                sqlalchemy, transformers, torch from $TORCH_WHEELS) into $TARGETS/engine and Tunix's
+#                into $TARGETS/peer, in parallel; skipped where already done (a warm machine keeps /tmp).
+#                From $LOCAL_INDEX (a local "simple" index folder) plus the wheel folder $WHEELS
+#                (bench/tpu_wheels.sh, default .whl-tpu), else from pip's configured index.
+#   tests        ~3 min (6 min): the engine's numerics tests on the chip in one pytest process -> part_tests
+#   size-a       ~4.5 min (9 min): bench/grpo_step.py size a, 2 rounds per side + 3 profiled steps
+#   size-b       ~5 min (9 min): size b, likewise
+#   size-c-rows  ~7.5 min (9 min): size c's rows search (each side's largest rows, then the rows both fit)
+#   size-c1      ~6 min (9 min): size c, one round per side at the rows both fit (from the search part)
+#   size-c2      ~6 min (9 min): the same, the peer first: c's second round on each side
+#   scale        ~6.5 min (9 min): bench/scale.py at Qwen3-0.6B bf16, 128 rows: 2 rounds of `locojax train`
+#                (the first with an empty compilation cache, the second from it), a profiled run, the
+#                runs' files in OUTDIR/scale_runs.tar.gz
+#   limits       ~4 min (9 min): bench/scale.py's limits at the same batch (HBM bandwidth, bf16 matmul
+#                peak, the decode loop timed alone)
+#   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT)
+# Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
+# `install` (with `tests`) first. Nothing is pip-installed after the install stage.
+#
+# Settings (environment): PYTHON (python3); PLATFORM (tpu; `cpu` dry-runs every stage here);
+# LOCAL_INDEX, WHEELS, TORCH_WHEELS (above); C_ROWS or C_ROWS_PART (size-c1/c2's rows where OUTDIR does
+# not hold the size-c-rows part, e.g. an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu);
+# WORK (/tmp/locojax-tpu/work: the 0.6B inputs, which size c builds once per machine); COMMAND_S (below);
+# LOCOJAX_BENCH_COMMIT (where the checkout has no .git);
+# SCALE_ARGS, GRPO_ARGS, C_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's:
+#   a dry run here: PLATFORM=cpu SCALE_ARGS="--model-preset tiny" C_ARGS="--model-preset small --max-prompts 2").
+set -u
+out=${1:?usage: bash bench/tpu.sh OUTDIR [STAGE ...]}
+shift
+stages=${*:-install tests size-a size-b size-c-rows size-c1 size-c2 scale limits merge}
+mkdir -p "$out/logs"
+out=$(cd "$out" && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+platform=${PLATFORM:-tpu}
+targets=${TARGETS:-/tmp/locojax-tpu}
+work=${WORK:-$targets/work}
+wheels=${WHEELS:-$root/.whl-tpu}
+# One command on the TPU machine may run 10 minutes: stages start only within COMMAND_S of this script's
+# start and are cut to what is left of it (default 570 s on a TPU, no limit elsewhere; 0: none).
+command_s=${COMMAND_S:-$([ "$platform" = tpu ] && echo 570 || echo 0)}
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 LOCOJAX_BENCH_COMMIT=${LOCOJAX_BENCH_COMMIT:-}
+mkdir -p "$work"
+
+# The machine's own packages (its JAX) stay first; the checkout, then the engine's target after them.
+# The peer gets the machine's packages and its own target only (its pins differ).
+base=${PYTHONPATH:-}
+engine_path=$base${base:+:}$root:$targets/engine
+peer_path=$base${base:+:}$targets/peer
+peer_python=${PEER_PYTHON:-$py}
+export PYTHONPATH=$engine_path
+
+ENGINE_PACKAGES="flax optax orbax-checkpoint pydantic pyyaml typer rich tokenizers safetensors math-verify pyarrow tensorboard"
+# The tests stage's: tests/conftest.py imports sqlalchemy; pyproject's addopts need pytest-timeout;
+# the HF parity tests need transformers and torch (a CPU build, only from $TORCH_WHEELS).
+TEST_PACKAGES="sqlalchemy pytest-timeout transformers"
+PEER_PACKAGES="google-tunix==0.1.7"
+
+stage() {  # NAME LIMIT_S COMMAND ... (a program or one of the functions below, exported to the shell timeout runs)
+  local name=$1 limit=$2
+  shift 2
+  if [ "$command_s" -gt 0 ]; then  # the whole command's limit binds too
+    local left=$((command_s - SECONDS))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 60 ]; then
+      echo "== $name: not started, ${left}s of this command's ${command_s}s left (COMMAND_S)"
+      return 1
+    fi
+  fi
+  export stage_limit=$limit
+  echo "== $name: start $(date -u +%T), limit ${limit}s"
+  timeout "$limit" bash -c '"$@"' "$name" "$@" > >(tee "$out/logs/$name.log") 2>&1
+  local status=$?
+  echo "== $name: exit $status at $(date -u +%T)"
+  return $status
+}
+
+install_into() {  # TARGET WHEEL_SUBFOLDER PACKAGE ...
+  local target=$1 folder=$2
+  shift 2
+  local stamp="$*|${LOCAL_INDEX:-configured index}|$(ls "$wheels/$folder" 2>/dev/null | tr '\n' ' ')"
+  if [ -f "$target/.installed" ] && [ "$(cat "$target/.installed")" = "$stamp" ]; then
+    echo "$target: already installed"
+    return 0
+  fi
+  rm -rf "$target"
+  local links=()
+  [ -d "$wheels/$folder" ] && links+=(--find-links "$wheels/$folder")
+  [ -n "${TORCH_WHEELS:-}" ] && links+=(--find-links "$TORCH_WHEELS")
+  local started=$SECONDS
+  if [ -n "${LOCAL_INDEX:-}" ]; then  # that index's versions (e.g. transformers 5.17), not constraints.txt's
+    PIP_CONFIG_FILE=/dev/null "$py" -m pip install --isolated --quiet --disable-pip-version-check --no-compile \
+      --no-cache-dir --only-binary=:all: --index-url "file://$LOCAL_INDEX" "${links[@]}" --target "$target" "$@"
+  else  # the engine at the project's pins; the peer at what Tunix 0.1.7 resolves to
+    local pins=()
+    [ "$folder" = engine ] && pins=(-c "$root/constraints.txt")
+    "$py" -m pip install --quiet --disable-pip-version-check --no-compile --target "$target" "${links[@]}" \
+      "${pins[@]}" "$@"
+  fi || return 1
+  echo "$stamp" > "$target/.installed"
+  echo "$target: installed in $((SECONDS - started)) s"
+}
+
+install() {
+  local engine="$ENGINE_PACKAGES $TEST_PACKAGES"
+  [ -n "${TORCH_WHEELS:-}" ] && engine="$engine torch"
+  # shellcheck disable=SC2086
+  install_into "$targets/engine" engine $engine > "$out/logs/install-engine.log" 2>&1 &
+  local engine_pid=$!
+  # shellcheck disable=SC2086
+  install_into "$targets/peer" peer $PEER_PACKAGES > "$out/logs/install-peer.log" 2>&1 &
+  local peer_pid=$!
+  wait $engine_pid
+  local engine_status=$?
+  wait $peer_pid
+  local peer_status=$?
+  tail -n 3 "$out/logs/install-engine.log" "$out/logs/install-peer.log"
+  "$py" -c "import jax, flax, optax, orbax.checkpoint, math_verify, tokenizers; print('engine imports: jax', jax.__version__, 'flax', flax.__version__)" &&
+    PYTHONPATH=$peer_path "$peer_python" -c "import tunix, safetensors, transformers; print('peer imports: tunix, safetensors', safetensors.__version__, 'transformers', transformers.__version__)" &&
+    [ $engine_status -eq 0 ] && [ $peer_status -eq 0 ]
+}
+
+grpo() {  # STAGE SIZE ARGS ...
+  local name=$1 size=$2
+  shift 2
+  # shellcheck disable=SC2086
+  # The runs' budget: the stage's limit less a minute for the part, the chip's release and the merge of logs.
+  "$py" bench/grpo_step.py --platform "$platform" --size "$size" --stage "$name" --budget-s $((stage_limit - 60)) \
+    --side-timeout 420 --peer-python "$peer_python" --peer-path "$peer_path" --logs "$out/logs/$name-sides" \
+    --out "$out/part_$name.json" ${GRPO_ARGS:-} "$@"
+}
+
+c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, OUTDIR's, or a committed one)
+  if [ -n "${C_ROWS:-}" ]; then
+    echo "--rows $C_ROWS"
+    return 0
+  fi
+  for part in ${C_ROWS_PART:-} "$out/part_size-c-rows.json" "$root/bench/results/tpu_parts/part_size-c-rows.json"; do
+    [ -f "$part" ] && { echo "--rows-from $part"; return 0; }
+  done
+  echo "size c's rows: no C_ROWS, C_ROWS_PART, $out/part_size-c-rows.json or bench/results/tpu_parts/" \
+    "part_size-c-rows.json; run the size-c-rows stage first" >&2
+  return 1
+}
+
+export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES
+export -f install install_into grpo
+scale_batch="--prompts 16 --group 8 --prompt-tokens 64 --new-tokens 128 --dtype bfloat16 --remat ${SCALE_REMAT:-full}"
+
+for name in $stages; do
+  case $name in
+    install) stage install 240 install ;;
+    tests) stage tests 360 "$py" bench/tpu_tests.py --stage tests --out "$out/part_tests.json" ;;
+    size-a) stage size-a 540 grpo size-a a --rounds 2 ;;
+    size-b) stage size-b 540 grpo size-b b --rounds 2 ;;
+    # shellcheck disable=SC2086
+    size-c-rows) stage size-c-rows 540 grpo size-c-rows c --rows search --rounds 1 --work "$work" ${C_ARGS:-} ;;
+    size-c1 | size-c2)
+      if rows=$(c_rows); then
+        first=""
+        [ "$name" = size-c2 ] && first=--peer-first
+        # shellcheck disable=SC2086
+        stage "$name" 540 grpo "$name" c $rows --rounds 1 $first --work "$work" ${C_ARGS:-}
+      fi ;;
+    # shellcheck disable=SC2086
+    scale) stage scale 540 "$py" bench/scale.py --platform "$platform" --stage scale --no-rest --no-peer --skip-limits \
+      --rounds 2 --steps 3 $scale_batch --compilation-cache cold-warm --profile-steps 1 --work "$work" \
+      --runs-tar "$out/scale_runs.tar.gz" --out "$out/part_scale.json" --load-note "one TPU chip, nothing else on it" \
+      ${SCALE_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    limits) stage limits 540 "$py" bench/scale.py --platform "$platform" --stage limits --limits-part $scale_batch \
+      --decode-rows "" --work "$work" --out "$out/part_limits.json" --load-note "one TPU chip, nothing else on it" \
+      ${SCALE_ARGS:-} ;;
+    merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits merge)" >&2 ;;
+  esac
+done
+tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"
+ls -la "$out"

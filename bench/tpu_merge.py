@@ -1,0 +1,201 @@
+"""The parts of a TPU refresh (bench/tpu.sh): what each part records about the source it measured, and
+the merge of the parts into bench/results/grpo_step_tpu.json and bench/results/scale_tpu.json.
+
+    python3 bench/tpu_merge.py PARTS_DIR [--out-dir bench/results]
+
+Every stage of bench/tpu.sh writes one part, `part_<stage>.json`, headed by `part_header`: the stage,
+the commit (`git rev-parse HEAD`; where the checkout has no .git, LOCOJAX_BENCH_COMMIT as bench/tpu.sh
+was given it), whether tracked files differed from it (`dirty`, null where git cannot say), a sha256
+over the engine's and the benchmarks' sources (`source_digest`, comparable with or without git), the
+UTC date, the platform and device kind. A refresh may span sessions; the lead commits the parts under
+bench/results/tpu_parts/ and merges them, on any machine (no JAX needed):
+  * grpo_step_tpu.json: `sizes` a, b, c from the parts of bench/grpo_step.py, each size's runs pooled
+    over its parts (size c: the rows-search part and the rounds parts at the rows both sides fit) and
+    summarised by bench/grpo_step.py's own `summarise`;
+  * scale_tpu.json: the `scale` part (bench/scale.py's 0.6B bf16 rounds), completed by the `limits`
+    part's machine limits (bench/scale.py `apply_limits`) and the `tests` part's `tpu_tests`.
+Both list their parts (`parts`: file, stage, commit, date) and say `mixed_commits: true` when the parts
+measured different sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+COMMIT_VARIABLE = "LOCOJAX_BENCH_COMMIT"
+SOURCE_DIRS = ("locojax", "bench")
+GRPO_SIZES = ("a", "b", "c")
+# The issue's bar for each size (ratio_vs_peer at least this), and its goal.
+TARGETS = {"a": {"ratio_vs_peer": 1.3, "goal": 2.0}, "b": {"ratio_vs_peer": 1.5, "goal": 2.0},
+           "c": {"ratio_vs_peer": 1.35, "goal": 1.6}}
+
+
+def _git(*command: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """sha256 over the paths and bytes of the engine's and the benchmarks' sources (*.py, *.sh)."""
+    digest = hashlib.sha256()
+    for folder in SOURCE_DIRS:
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in (".py", ".sh") and path.is_file() and ".peer-venvs" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def source_state() -> dict:
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    if commit:
+        origin = "git"
+    elif os.environ.get(COMMIT_VARIABLE):
+        commit, origin = os.environ[COMMIT_VARIABLE], COMMIT_VARIABLE
+    else:
+        commit, origin = "unknown", "none (no .git here and no " + COMMIT_VARIABLE + ")"
+    return {"commit": commit, "commit_from": origin, "dirty": None if status is None else bool(status),
+            "source_digest": source_digest()}
+
+
+def part_header(stage: str | None, *, platform: str, device_kind: str | None) -> dict:
+    """What every part records about what it measured, where and when."""
+    return {"stage": stage, **source_state(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "platform": platform, "device_kind": device_kind}
+
+
+def load_parts(parts_dir: Path) -> list[dict]:
+    """Every `part_*.json` in `parts_dir`, oldest first, each with its file name under `_file`."""
+    parts = []
+    for path in sorted(parts_dir.glob("part_*.json")):
+        if path.name.endswith(".partial.json"):  # bench/scale.py's phases so far, of a stage that failed
+            continue
+        try:
+            part = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"{path}: not JSON ({error})") from None
+        part["_file"] = path.name
+        parts.append(part)
+    return sorted(parts, key=lambda part: (part.get("date_utc") or "", part["_file"]))
+
+
+def parts_record(parts: list[dict]) -> tuple[list[dict], bool]:
+    """The parts' provenance, and whether they measured different sources (commits or source digests
+    differ; a part measured with uncommitted changes says so in its own `dirty`)."""
+    record = [{"file": part["_file"], "stage": part.get("stage"), "commit": part.get("commit"),
+               "dirty": part.get("dirty"), "source_digest": part.get("source_digest"),
+               "date_utc": part.get("date_utc"), "device_kind": part.get("device_kind")} for part in parts]
+    mixed = len({p["commit"] for p in record}) > 1 or len({p["source_digest"] for p in record}) > 1
+    return record, mixed
+
+
+def _platform(parts: list[dict]) -> tuple[str | None, str | None]:
+    platforms = sorted({part.get("platform") for part in parts if part.get("platform")})
+    kinds = sorted({part.get("device_kind") for part in parts if part.get("device_kind")})
+    return (", ".join(platforms) or None), (", ".join(kinds) or None)
+
+
+def merge_size(size: str, parts: list[dict]) -> dict:
+    """One size's figures from all its parts' runs (bench/grpo_step.py `summarise`)."""
+    from bench.grpo_step import summarise
+
+    searches = [part["rows_search"] for part in parts if part.get("rows_search")]
+    search = searches[-1] if searches else None
+    rows = search["rows_both_fit"] if search and search.get("rows_both_fit") else parts[-1].get("rows")
+    pooled = [run for part in parts for run in part.get("per_run", [])]
+    record, mixed = parts_record(parts)
+    figures = summarise(pooled, rows)
+    merged = {**figures, "workload": {**parts[-1].get("workload", {}), "rows": rows},
+              "parts": record, "mixed_commits": mixed,
+              "skipped": [line for part in parts for line in part.get("skipped", [])],
+              "target": TARGETS.get(size)}
+    if figures.get("ratio_vs_peer") is not None and size in TARGETS:
+        merged["meets_target"] = figures["ratio_vs_peer"] >= TARGETS[size]["ratio_vs_peer"]
+    if search:
+        merged["rows_search"] = search
+        merged["largest_rows"] = {"locojax": search["locojax"]["largest_rows"], "peer": search["peer"]["largest_rows"]}
+    enough = min(figures.get("rounds_per_side", {}).values() or [0])
+    if enough < 2:
+        merged["rounds_note"] = f"{enough} round(s) on the side with fewest at {rows} rows; the figure asks for >= 2"
+    merged["per_run"] = pooled
+    return merged
+
+
+def merge_grpo(parts: list[dict]) -> dict | None:
+    grpo = [part for part in parts if part.get("benchmark") == "grpo_step"]
+    if not grpo:
+        return None
+    record, mixed = parts_record(grpo)
+    platform, device_kind = _platform(grpo)
+    sizes = {size: merge_size(size, [p for p in grpo if p.get("size") == size])
+             for size in GRPO_SIZES if any(p.get("size") == size for p in grpo)}
+    return {"benchmark": "grpo_step_tpu", "platform": platform, "device_kind": device_kind,
+            "parts": record, "mixed_commits": mixed, "sizes": sizes,
+            "method": "bench/grpo_step.py per size; ratio_vs_peer = peer_step_s / locojax_step_s, the median "
+                      "steady step of each side's pooled runs, both sides compiling cold; see each size's parts"}
+
+
+def merge_scale(parts: list[dict]) -> dict | None:
+    from bench.scale import apply_limits
+
+    runs = [part for part in parts if part.get("benchmark") == "scale" and part.get("rounds")]
+    limits = [part for part in parts if part.get("benchmark") == "scale_limits"]
+    tests = [part for part in parts if part.get("benchmark") == "tpu_tests"]
+    if not (runs or limits or tests):
+        return None
+    used = runs[-1:] + limits[-1:] + tests[-1:]
+    result = dict(runs[-1]) if runs else {"benchmark": "scale", "note": "no `scale` part: the 0.6B rounds are missing"}
+    result.pop("_file", None)
+    if limits:
+        if runs and limits[-1]["batch"] != result["batch"]:
+            raise SystemExit(f"{limits[-1]['_file']} measured limits at {limits[-1]['batch']}, not the rounds' "
+                             f"{result['batch']}")
+        apply_limits(result, limits[-1]["limits"])
+    result["tpu_tests"] = tests[-1]["tpu_tests"] if tests else None
+    record, mixed = parts_record(used)
+    platform, device_kind = _platform(used)
+    result.update(platform=platform, device_kind=device_kind, parts=record, mixed_commits=mixed)
+    for key in ("stage", "commit", "commit_from", "dirty", "source_digest", "date_utc"):
+        result.pop(key, None)  # per part, in `parts`
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("parts_dir", type=Path)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    parts = load_parts(args.parts_dir)
+    if not parts:
+        raise SystemExit(f"no part_*.json in {args.parts_dir}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name, merged in (("grpo_step_tpu.json", merge_grpo(parts)), ("scale_tpu.json", merge_scale(parts))):
+        if merged is None:
+            print(f"{name}: no parts for it")
+            continue
+        (args.out_dir / name).write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.out_dir / name} from {', '.join(p['file'] for p in merged['parts'])}"
+              f"{' (MIXED commits)' if merged['mixed_commits'] else ''}")
+        if name == "grpo_step_tpu.json":
+            for size, figures in merged["sizes"].items():
+                ratio = figures.get("ratio_vs_peer")
+                print(f"  size {size}: {figures.get('rows')} rows, ratio_vs_peer "
+                      f"{'none' if ratio is None else f'{ratio:.2f}'}, idle {figures.get('device_idle_fraction')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The TPU benchmark harness's own logic, on this CPU: the profile-trace reader on a real jax.profiler
+trace, and the merge of a refresh's parts (bench/profile_trace.py, bench/tpu_merge.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+
+def test_trace_reader_finds_the_ops_the_host_phases_and_the_idle_time_it_waited_on_the_host(tmp_path):
+    """A real trace of 3 of 5 steps (the sink the benchmarks use), each a jitted matmul in a rollout
+    phase then 30 ms of host sleep with nothing dispatched: the idle time covers at least the sleeps,
+    the busy time is the op time, and the matmul's module tops the rollout phase's ops."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.profile_trace import ProfiledSteps, annotated_phases, summarise_trace
+    from locojax import metrics as m
+
+    @jax.jit
+    def bench_matmul_step(x):
+        return jnp.tanh(x @ x) @ x
+
+    x = jnp.ones((384, 384), jnp.float32) / 384
+    timer, sleep_s, sink = m.PhaseTimer(), 0.03, ProfiledSteps(str(tmp_path), first_step=1, steps=3)
+    with annotated_phases():
+        for step in range(5):
+            with timer.step():
+                with timer.phase(m.TIME_ROLLOUT):
+                    bench_matmul_step(x).block_until_ready()
+                time.sleep(sleep_s)
+            sink.write(step, m.ALL_HOSTS, {})
+    sink.close()
+    assert sink.traced and not sink.tracing
+
+    summary = summarise_trace(str(tmp_path))
+    assert summary["steps"] == 3 and summary["source"]["kind"].startswith("host plane")
+    assert summary["op_events"] > 0 and 0 < summary["busy_s"] < summary["window_s"]
+    idle_s = summary["device_idle_fraction"] * summary["window_s"]
+    assert idle_s >= 0.9 * 3 * sleep_s
+    assert summary["device_idle_fraction"] == pytest.approx(1 - summary["busy_s"] / summary["window_s"])
+    rollout = summary["top_ops_by_phase"][m.TIME_ROLLOUT]
+    assert rollout["top_ops"][0]["module"] == "jit_bench_matmul_step"
+    assert sum(op["share"] for op in rollout["top_ops"]) == pytest.approx(1.0)
+    assert sum(kind["share"] for kind in rollout["top_kinds"]) == pytest.approx(1.0)
+    assert summary["phase_wall_s_per_step"][m.TIME_ROLLOUT] > 0
+
+
+def test_busy_time_is_the_union_of_op_intervals_and_self_time_excludes_nested_ops():
+    from bench.profile_trace import _self_times, union_ns
+
+    assert union_ns([(0, 10), (5, 15), (20, 25)]) == 20
+    assert union_ns([(0, 10), (2, 3)]) == 10 and union_ns([]) == 0
+    events = [SimpleNamespace(start_ns=0, duration_ns=100), SimpleNamespace(start_ns=10, duration_ns=30),
+              SimpleNamespace(start_ns=50, duration_ns=20), SimpleNamespace(start_ns=200, duration_ns=5)]
+    assert _self_times(events) == [50.0, 30.0, 20.0, 5.0]
+
+
+def _grpo_part(stage, commit, size, runs, rows_search=None, digest="d0"):
+    return {"benchmark": "grpo_step", "size": size, "stage": stage, "commit": commit, "dirty": False,
+            "source_digest": digest, "date_utc": f"2026-01-0{len(stage) % 9}T00:00:00Z", "platform": "tpu",
+            "device_kind": "TPU v5 lite", "rows": runs[0]["rows"], "workload": {"size": size},
+            "rows_search": rows_search, "skipped": [], "per_run": runs}
+
+
+def _run(side, rows, periods, round_index=0, peak=None):
+    phases = ({name: [0.01] * len(periods) for name in ("time/rollout", "time/reward", "time/advantage",
+                                                          "time/train", "time/device", "time/host", "time/network",
+                                                          "time/checkpoint", "time/step")}
+              if side == "locojax" else {"rollout": [0.01] * len(periods), "train": [0.02] * len(periods)})
+    return {"side": side, "round": round_index, "rows": rows, "ok": True, "periods_s": periods,
+            "cpu_s": [0.1] * len(periods), "phases_s": phases, "first_step_s": 40.0, "peak_rss_mib": 100.0,
+            "peak_device_gib": peak, "planned_gib": 4.0,
+            "identical_work": {"ok": True, "trained_tokens_per_step": 1000.0}}
+
+
+def test_merge_pools_size_c_rounds_at_the_rows_both_fit_and_marks_mixed_commits(tmp_path):
+    """Size c from a rows-search part and a rounds part of another commit: only the runs at the rows
+    both sides fit count, each side's step is the median of its pooled periods, and the merged JSON
+    lists both parts and says they measured different commits."""
+    from bench.tpu_merge import load_parts, merge_grpo
+
+    search = {"rows_both_fit": 16, "locojax": {"largest_rows": 64, "attempts": []},
+              "peer": {"largest_rows": 16, "attempts": []}}
+    parts = {
+        "part_size-c-rows.json": _grpo_part("size-c-rows", "aaa", "c", [
+            {**_run("locojax", 64, [9.0, 9.0]), "round": None}, _run("tunix", 16, [0.8, 0.9])], search),
+        "part_size-c1.json": _grpo_part("size-c1", "bbb", "c", [
+            _run("locojax", 16, [0.6, 0.7], peak=3.0), _run("tunix", 16, [1.0, 1.1])]),
+        "part_size-a.json": _grpo_part("size-a", "aaa", "a", [_run("locojax", 64, [0.05]),
+                                                              _run("tunix", 64, [0.06])]),
+    }
+    for name, part in parts.items():
+        (tmp_path / name).write_text(json.dumps(part))
+    merged = merge_grpo(load_parts(tmp_path))
+
+    assert merged["mixed_commits"] is True and {p["commit"] for p in merged["parts"]} == {"aaa", "bbb"}
+    c = merged["sizes"]["c"]
+    assert c["rows"] == 16 and c["largest_rows"] == {"locojax": 64, "peer": 16}
+    assert c["locojax_step_s"] == pytest.approx(0.65) and c["peer_step_s"] == pytest.approx(0.95)
+    assert c["ratio_vs_peer"] == pytest.approx(0.95 / 0.65)
+    assert c["rounds_per_side"] == {"locojax": 1, "peer": 2} and "rounds_note" in c
+    assert c["mixed_commits"] is True and c["peak_device_vs_plan"] == pytest.approx(0.75)
+    assert merged["sizes"]["a"]["mixed_commits"] is False
+    assert merged["sizes"]["a"]["ratio_vs_peer"] == pytest.approx(0.06 / 0.05)
+
+
+def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path):
+    from bench.tpu_merge import load_parts, merge_scale
+
+    batch = {"prompts": 16, "group_size": 8, "max_prompt_tokens": 64, "max_new_tokens": 128, "dtype": "bfloat16",
+             "remat": "full"}
+    header = {"commit": "ccc", "dirty": False, "source_digest": "d1", "platform": "tpu", "device_kind": "TPU v5 lite"}
+    (tmp_path / "part_scale.json").write_text(json.dumps({
+        "benchmark": "scale", "stage": "scale", **header, "date_utc": "2026-01-02T00:00:00Z", "batch": batch,
+        "rounds": [{}], "train_model_flops_per_step": 2e14, "train_s": 2.0, "decode_vs_roofline": None}))
+    (tmp_path / "part_limits.json").write_text(json.dumps({
+        "benchmark": "scale_limits", "stage": "limits", **header, "date_utc": "2026-01-03T00:00:00Z",
+        "batch": batch, "limits": {"decode_vs_roofline": 0.4, "matmul_peak_gflop_s": 160_000.0,
+                                   "device_kind": "TPU v5 lite"}}))
+    (tmp_path / "part_tests.json").write_text(json.dumps({
+        "benchmark": "tpu_tests", "stage": "tests", **header, "date_utc": "2026-01-01T00:00:00Z",
+        "tpu_tests": {"passed": 76, "failed": 0, "skipped": 7, "errors": 0, "failed_names": []}}))
+    merged = merge_scale(load_parts(tmp_path))
+
+    assert merged["decode_vs_roofline"] == 0.4 and merged["mixed_commits"] is False
+    assert merged["train_vs_matmul_peak"] == pytest.approx(1e14 / 160e12)
+    assert merged["train_vs_197_tflops"] == pytest.approx(1e14 / 197e12)
+    assert merged["tpu_tests"]["failed"] == 0 and len(merged["parts"]) == 3
+
+    limits = json.loads((tmp_path / "part_limits.json").read_text())
+    limits["batch"] = {**batch, "dtype": "float32"}
+    (tmp_path / "part_limits.json").write_text(json.dumps(limits))
+    with pytest.raises(SystemExit, match="not the rounds'"):
+        merge_scale(load_parts(tmp_path))
+
+
+def test_identical_work_check_refuses_a_run_that_decoded_other_work():
+    """A rollout with a short row, a wider prompt buffer (Tunix widens it for a long prompt) or too few
+    trained tokens fails the check, naming what differed; the size's own work passes."""
+    from bench.grpo_step import SIZES, identical_work
+
+    work = SIZES["a"]
+    good = {"rows": 64, "slots": 64 * 64, "tokens": 64 * 64, "min_len": 64, "max_len": 64, "prompt_width": 64}
+    assert identical_work(work, [good, good], steps=2)["ok"]
+    for bad, words in (({"min_len": 63, "slots": 64 * 64 - 1}, "expected 64 rows x 64"),
+                       ({"prompt_width": 128}, "prompt buffer of 128"),
+                       ({"tokens": 3000}, "trains on 3000")):
+        check = identical_work(work, [good, {**good, **bad}], steps=2)
+        assert not check["ok"] and words in " ".join(check["problems"])
+    assert "1 rollouts for 2 steps" in identical_work(work, [good], steps=2)["problems"][0]
