@@ -37,9 +37,10 @@ def load_policy(spec: RunSpec) -> Policy:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.checkpoint: {path} holds no config.json (expected a HF directory, "
                                     "e.g. <output_dir>/model of a finished SFT run)")
-        model = load_hf_checkpoint(path, dtype=spec.model.dtype)
+        model = load_hf_checkpoint(path, dtype=spec.model.dtype, scan_layers=spec.model.scan_layers)
     else:
-        config = get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
+        config = get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype,
+                                                       scan_layers=spec.model.scan_layers)
         model = create_model(config, seed=spec.seed)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"model.tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "

@@ -1,12 +1,13 @@
 """Rollout: one jitted function per (batch, prompt length, sampling config) that samples completions.
 
-Prefill writes the left-padded prompts into a per-layer KV cache; a `lax.while_loop` then decodes
-one token per iteration until every row has emitted EOS or `max_new_tokens` is reached. The whole
-loop runs inside one XLA computation, so the host pays one dispatch per rollout, not one per token
-(STYLE habit 2). The decode state is a single `DecodeState` pytree carried by the loop. Because
-the state (KV cache included) is created inside the computation and is the loop's carry, XLA
-updates it in place with no buffer to donate across the call boundary — the effect Tunix gets by
-donating its state to separate prefill and decode jits, without the second dispatch.
+Prefill writes the left-padded prompts into the KV cache (`locojax.model.Cache`); a
+`lax.while_loop` then decodes one token per iteration until every row has emitted EOS or
+`max_new_tokens` is reached. The whole loop runs inside one XLA computation, so the host pays one
+dispatch per rollout, not one per token (STYLE habit 2). The decode state is a single `DecodeState`
+pytree carried by the loop. Because the state (KV cache included) is created inside the computation
+and is the loop's carry, XLA updates it in place with no buffer to donate across the call boundary
+— the effect Tunix gets by donating its state to separate prefill and decode jits, without the
+second dispatch.
 
 Data parallel over the host's *local* devices only: the batch is sharded over a 1-D mesh of
 `jax.local_devices()` (params replicated), so a rollout never causes cross-host traffic
@@ -86,7 +87,7 @@ class DecodeState:
     """Everything the decode loop carries from one token to the next."""
 
     step: jax.Array  # [] int32: tokens sampled so far; the next one goes to column `step`
-    cache: Cache  # per layer (k, v), each [B, S, K, Dh]
+    cache: Cache  # every layer's keys and values for S slots (its layout: locojax.model.Cache)
     kv_mask: jax.Array  # [B, S] bool: cache slots holding real tokens
     last_token: jax.Array  # [B] int32: the token to feed next (sampled, not yet in the cache)
     position: jax.Array  # [B] int32: rotary position of last_token
@@ -247,7 +248,7 @@ def _prefill(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, c
 
     # Prefill: the whole prompt in one pass, writing slots [0, P) of the cache. Only the last slot's
     # logits are needed: the full [B, P, V] ones were 0.9 GB and 0.5 TFLOP at 0.6B (16 rows x 96 slots).
-    cache = constrain(init_cache(config, batch, slots))
+    cache = init_cache(config, batch, slots).batch_sharded(batch_sharding)
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, slots - prompt_len), bool)], axis=1)  # [B, S]
     logits, cache = forward(graphdef, params, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache, 0,
                             output_slots=(prompt_len - 1, prompt_len))
