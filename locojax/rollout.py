@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from locojax.model import Cache, ModelConfig, forward, init_cache, positions_from_mask
+from locojax.model import Cache, ModelConfig, forward, init_cache, layer_params, positions_from_mask
 from locojax.tokenizer import Tokenizer, pad_left
 
 if TYPE_CHECKING:
@@ -279,11 +279,15 @@ def _decode(graphdef, params, state: DecodeState, *, prompt_len: int, sampling: 
     def keep_going(state: DecodeState) -> jax.Array:
         return (state.step < n) & ~jnp.all(state.done)
 
+    # Sliced out of the stacked parameters once, not per token: XLA does not hoist the slices out of
+    # the loop, and on XLA:CPU each is a copy of the layer's weights.
+    layers = layer_params(graphdef, params)
+
     def decode_one(state: DecodeState) -> DecodeState:
         slot = prompt_len + state.step - 1  # where last_token goes in the cache
         kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((batch, 1), bool), (0, slot))
         logits, cache = forward(graphdef, params, state.last_token[:, None], state.position[:, None], kv_mask,
-                                state.cache, slot)
+                                state.cache, slot, layers=layers)
         token, logprob = sample_tokens(logits[:, 0], _token_keys(state.key, state.step), sampling)
         # Rows that already finished keep emitting padding (their work is wasted but shapes stay static).
         token = jnp.where(state.done, sampling.pad_id, token)

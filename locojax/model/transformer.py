@@ -12,10 +12,10 @@ Parameters carry *logical* axis names in their `axes` metadata (`embed`, `heads`
 and XLA:CPU streams a weight whose contracted axis is contiguous 1.5-2x faster (`_linear`).
 
 The decoder layers are stored as ONE `DecoderLayer` whose every parameter carries a leading
-`layers` axis [L, ...] (MaxText's layout), and the KV cache likewise (`Cache`). The forward runs
-the layers either under `jax.lax.scan` over that axis, so XLA compiles one layer body instead of
-L, or unrolled over static slices (`ModelConfig.scan_layers`); the parameters, and so checkpoints,
-Hugging Face files and optimizer state, are the same either way.
+`layers` axis [L, ...] (MaxText's layout). The forward runs them either under `jax.lax.scan` over
+that axis, so XLA compiles one layer body instead of L, or unrolled over static slices
+(`ModelConfig.scan_layers`); the parameters, and so checkpoints, Hugging Face files and optimizer
+state, are the same either way. Only the KV cache takes the form its path reads best (`Cache`).
 
 Shapes: B batch, T new tokens this call, S cache slots, D d_model, H heads, K kv heads,
 G = H/K query heads per kv head, Dh head_dim, F d_ff, V vocab, L layers.
@@ -126,11 +126,11 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 @flax.struct.dataclass
 class Cache:
-    """The KV cache of every layer, stacked on a leading layer axis; the one place that knows its
-    layout, how new tokens are written into it and how attention reads it:
+    """The KV cache of every layer; the one place that knows its layout, how new tokens are written
+    into it and how attention reads it. Per layer:
 
-        keys   [L, B, K, Dh, S]
-        values [L, B, K, S, Dh]
+        keys   [B, K, Dh, S]
+        values [B, K, S, Dh]
 
     Both attention products are dot_generals with the few query rows (Tq x G) on the left:
     q [G, Dh] @ keys [Dh, S], then probs [G, S] @ values [S, Dh], each reading its cache in place
@@ -139,43 +139,71 @@ class Cache:
     let it put the cache on the left and contract over its second-minor axis, 4x slower still. At
     0.6B and 16 rows this cut the decode step's attention from ~55 to ~35 ms (bench/scale.py).
 
-    A write touches only the new tokens' slots of one layer (`dynamic_update_slice`), so the decode
-    loop, and the layer scan that carries the cache, update the buffers in place. `layer` is a
-    Python int (unrolled layers) or a traced index (scanned ones)."""
+    The layers are held in one of two forms, matching how the forward runs them:
+      * stacked (scanned layers): `keys` [L, B, K, Dh, S] and `values` [L, B, K, S, Dh], carried
+        through the layer scan; a layer reads its slice by a traced index.
+      * per layer (unrolled layers): `keys` and `values` are tuples of L arrays. XLA:CPU copies a
+        slice of a stacked array before a matmul reads it, which would copy the whole cache every
+        decode step; separate arrays are read where they lie.
+    Either way a write touches only the new tokens' slots of one layer (`dynamic_update_slice`), so
+    the decode loop (and the layer scan) update the buffers in place."""
 
-    keys: jax.Array
-    values: jax.Array
+    keys: jax.Array | tuple[jax.Array, ...]
+    values: jax.Array | tuple[jax.Array, ...]
 
     @classmethod
-    def create(cls, config: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> "Cache":
+    def create(cls, config: ModelConfig, batch: int, max_len: int, dtype: str | None = None, *,
+               stacked: bool) -> "Cache":
         """An empty cache of `max_len` slots (zeros; the caller's kv_mask says which slots are real)."""
         dt = _dtype(dtype or config.dtype)
-        layers, kv_heads, head_dim = config.n_layers, config.n_kv_heads, config.head_dim
-        return cls(keys=jnp.zeros((layers, batch, kv_heads, head_dim, max_len), dt),
-                   values=jnp.zeros((layers, batch, kv_heads, max_len, head_dim), dt))
+        keys = (batch, config.n_kv_heads, config.head_dim, max_len)
+        values = (batch, config.n_kv_heads, max_len, config.head_dim)
+        if stacked:
+            return cls(keys=jnp.zeros((config.n_layers, *keys), dt), values=jnp.zeros((config.n_layers, *values), dt))
+        return cls(keys=tuple(jnp.zeros(keys, dt) for _ in range(config.n_layers)),
+                   values=tuple(jnp.zeros(values, dt) for _ in range(config.n_layers)))
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.keys, tuple)
 
     def write(self, layer, keys: jax.Array, values: jax.Array, index) -> "Cache":
         """`keys`, `values` [B, T, K, Dh] into slots index..index+T-1 of `layer`."""
-        keys = keys.transpose(0, 2, 3, 1)[None].astype(self.keys.dtype)  # [1, B, K, Dh, T]
-        values = values.transpose(0, 2, 1, 3)[None].astype(self.values.dtype)  # [1, B, K, T, Dh]
-        return Cache(keys=jax.lax.dynamic_update_slice(self.keys, keys, (layer, 0, 0, 0, index)),
-                     values=jax.lax.dynamic_update_slice(self.values, values, (layer, 0, 0, index, 0)))
+        keys = keys.transpose(0, 2, 3, 1)  # [B, K, Dh, T]
+        values = values.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+        if self.stacked:
+            return Cache(
+                keys=jax.lax.dynamic_update_slice(self.keys, keys[None].astype(self.keys.dtype),
+                                                  (layer, 0, 0, 0, index)),
+                values=jax.lax.dynamic_update_slice(self.values, values[None].astype(self.values.dtype),
+                                                    (layer, 0, 0, index, 0)))
+        old_keys, old_values = self.keys[layer], self.values[layer]
+        new_keys = jax.lax.dynamic_update_slice(old_keys, keys.astype(old_keys.dtype), (0, 0, 0, index))
+        new_values = jax.lax.dynamic_update_slice(old_values, values.astype(old_values.dtype), (0, 0, index, 0))
+        return Cache(keys=(*self.keys[:layer], new_keys, *self.keys[layer + 1:]),
+                     values=(*self.values[:layer], new_values, *self.values[layer + 1:]))
 
     def scores(self, layer, query_rows: jax.Array) -> jax.Array:
         """`query_rows` [B, K, R, Dh] against every slot of `layer`: [B, K, R, S]."""
-        keys = jax.lax.dynamic_index_in_dim(self.keys, layer, keepdims=False).astype(query_rows.dtype)
+        keys = _layer_of(self.keys, layer).astype(query_rows.dtype)
         return jax.lax.dot_general(query_rows, keys, (((3,), (2,)), ((0, 1), (0, 1))))
 
     def mix(self, layer, prob_rows: jax.Array) -> jax.Array:
         """Attention weights `prob_rows` [B, K, R, S] over `layer`'s values: [B, K, R, Dh]."""
-        values = jax.lax.dynamic_index_in_dim(self.values, layer, keepdims=False).astype(prob_rows.dtype)
+        values = _layer_of(self.values, layer).astype(prob_rows.dtype)
         return jax.lax.dot_general(prob_rows, values, (((3,), (2,)), ((0, 1), (0, 1))))
 
     def batch_sharded(self, batch_sharding: jax.sharding.NamedSharding) -> "Cache":
         """Constrained to `batch_sharding` (a batch-first array's) on its batch axis, the layer axis whole."""
-        sharding = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(
-            None, *batch_sharding.spec))
+        spec = (None, *batch_sharding.spec) if self.stacked else tuple(batch_sharding.spec)
+        sharding = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(*spec))
         return jax.lax.with_sharding_constraint(self, sharding)
+
+
+def _layer_of(arrays: jax.Array | tuple[jax.Array, ...], layer) -> jax.Array:
+    if isinstance(arrays, tuple):
+        return arrays[layer]
+    return jax.lax.dynamic_index_in_dim(arrays, layer, keepdims=False)
 
 
 class Attention(nnx.Module):
@@ -287,6 +315,10 @@ class DecoderLayer(nnx.Module):
         return x, cache
 
 
+# A scanned stack ([L, ...] leaves) or one state per layer (`Transformer.layer_params`).
+LayerParams = nnx.State | tuple[nnx.State, ...]
+
+
 class Transformer(nnx.Module):
     """Token ids in, float32 logits out. See the module docstring for the masking contract."""
 
@@ -311,6 +343,7 @@ class Transformer(nnx.Module):
         output_slots: tuple[int, int] | None = None,
         remat: str = "none",
         hidden_only: bool = False,
+        layers: LayerParams | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """Logits [B, T, V]; with `output_slots` (start, stop) — static ints — only those of slots
         start..stop-1, [B, stop-start, V]. Every layer but the last still runs on all T slots (later
@@ -321,7 +354,8 @@ class Transformer(nnx.Module):
         `remat` (training, no cache): "full" rematerialises each layer, so its backward pass
         recomputes the layer from its input instead of keeping its activations (`REMAT_POLICIES`).
         `hidden_only`: the final-normed hidden states [B, T, D] instead of logits, for callers that
-        apply the head in vocabulary chunks (`head_rows`)."""
+        apply the head in vocabulary chunks (`head_rows`). `layers`: this model's `layer_params()`,
+        prepared once outside a loop that calls the model many times (default: prepared here)."""
         c = self.config
         t = tokens.shape[1]
         s = kv_mask.shape[1]
@@ -342,19 +376,31 @@ class Transformer(nnx.Module):
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(c.dtype))  # [B, T, D]
         decode = cache is not None and t == 1  # a one-token step: every matmul takes its decode form
-        layer_graph, stacked = nnx.split(self.layers)
+        layer_graph = nnx.graphdef(self.layers)
 
         def apply_layer(params, x, cache, layer, query_slots):
             return nnx.merge(layer_graph, params)(x, sin, cos, mask, cache, layer, cache_index, query_slots, decode)
 
-        x, cache = _run_layers(apply_layer, stacked, x, cache, output_slots, REMAT_POLICIES[remat],
-                               scan=c.scans_layers(jax.default_backend()))
+        layers = self.layer_params() if layers is None else layers
+        x, cache = _run_layers(apply_layer, layers, x, cache, output_slots, REMAT_POLICIES[remat])
         x = self.final_norm(x)
         if hidden_only:
             return x, cache
         b, t, d = x.shape
         logits = _linear(x.reshape(b * t, d), self.head_rows(), x.dtype, decode).reshape(b, t, -1)
         return logits.astype(jnp.float32), cache
+
+    def layer_params(self) -> LayerParams:
+        """The decoder layers' parameters in the form the forward runs them (`ModelConfig.scan_layers`
+        on this platform): the stacked state itself ([L, ...] leaves) for a scan, one state per layer
+        for unrolled layers. On XLA:CPU each of those slices is a copy of the layer's weights, so a
+        loop that runs the model many times (decode) prepares them once, outside it (`forward`'s
+        `layers`)."""
+        stacked = nnx.state(self.layers)
+        if self.config.scans_layers(jax.default_backend()):
+            return stacked
+        return tuple(jax.tree.map(lambda p: p.reshape(p.shape[1:]), layer)
+                     for layer in _split_layers(stacked, [1] * self.config.n_layers))
 
     def head_rows(self) -> jax.Array:
         """The output projection as [V, D] rows (the embedding when tied): logits = hidden @ rows.T."""
@@ -375,44 +421,52 @@ def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
 
 def _split_layers(stacked: nnx.State, sizes: list[int]) -> list[nnx.State]:
     """`stacked` cut along its layer axis into pieces of `sizes` layers (each still stacked).
-    `lax.split`, not indexing: its gradient is one concatenation, where L slices' would be L
-    zero-padded full-size arrays summed."""
+    `lax.split`, not an index per layer: its gradient is one concatenation, not L zero-padded
+    full-size arrays summed."""
     leaves, treedef = jax.tree.flatten(stacked)
     pieces = [jax.lax.split(leaf, sizes) for leaf in leaves]
     return [jax.tree.unflatten(treedef, [piece[i] for piece in pieces]) for i in range(len(sizes))]
 
 
-def _run_layers(apply_layer, stacked: nnx.State, x, cache: Cache | None, output_slots, remat_policy, *, scan: bool):
+def _run_layers(apply_layer, layers: LayerParams, x, cache: Cache | None, output_slots, remat_policy):
     """x through every layer in turn: `apply_layer(params, x, cache, layer, query_slots) -> (x, cache)`
-    with one layer's `params` out of `stacked` ([L, ...] leaves). With `output_slots` the last layer
-    runs on its own, on those slots (see `Transformer.__call__`).
+    with one layer's `params`. With `output_slots` the last layer runs on those slots alone (see
+    `Transformer.__call__`).
 
-    `scan`: the layers before it run as one `lax.scan` over the stacked parameters (XLA compiles
-    one layer body), carrying x and the cache; otherwise as a Python loop over static slices.
-    `remat_policy` (`REMAT_POLICIES`): the layer is `jax.checkpoint`ed with it."""
-    layers = jax.tree.leaves(stacked)[0].shape[0]
+    A stacked `layers` runs the layers as one `lax.scan` over its leading axis (XLA compiles one
+    layer body), carrying x and the (stacked) cache; with `output_slots` the scan covers all but the
+    last layer, which runs on its own. A tuple runs them as a Python loop. `remat_policy`
+    (`REMAT_POLICIES`): each layer is `jax.checkpoint`ed with it."""
+    unrolled = isinstance(layers, tuple)
     if remat_policy is not None:
         apply_layer = jax.checkpoint(apply_layer, policy=remat_policy, static_argnums=(4,),
-                                     prevent_cse=not scan)  # inside a scan, CSE cannot undo the remat
-    scanned = (layers - 1 if output_slots is not None else layers) if scan else 0
-    # The scanned layers as one stacked piece, every other layer as a piece of its own.
-    pieces = _split_layers(stacked, ([scanned] if scanned else []) + [1] * (layers - scanned))
+                                     prevent_cse=unrolled)  # inside a scan, CSE cannot undo the remat
+    if unrolled:
+        for layer, params in enumerate(layers):
+            x, cache = apply_layer(params, x, cache, layer, output_slots if layer == len(layers) - 1 else None)
+        return x, cache
+    if cache is not None and not cache.stacked:
+        raise ValueError("scanned layers need a stacked cache: build it with init_cache for the same config")
+    count = jax.tree.leaves(layers)[0].shape[0]
+    scanned = count - 1 if output_slots is not None else count
+    body_layers, last_layer = _split_layers(layers, [scanned, 1]) if scanned < count else (layers, None)
     if scanned:
 
         def body(carry, layer_and_params):
             layer, params = layer_and_params
             return apply_layer(params, *carry, layer, None), None
 
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (jnp.arange(scanned), pieces.pop(0)))
-    for layer, params in zip(range(scanned, layers), pieces, strict=True):
-        params = jax.tree.map(lambda p: p.reshape(p.shape[1:]), params)
-        x, cache = apply_layer(params, x, cache, layer, output_slots if layer == layers - 1 else None)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (jnp.arange(scanned), body_layers))
+    if last_layer is not None:
+        params = jax.tree.map(lambda p: p.reshape(p.shape[1:]), last_layer)
+        x, cache = apply_layer(params, x, cache, count - 1, output_slots)
     return x, cache
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
-    """An empty KV cache for `batch` rows and `max_len` slots (`Cache` gives its layout)."""
-    return Cache.create(config, batch, max_len, dtype)
+    """An empty KV cache for `batch` rows and `max_len` slots, in the form (`Cache`) the forward's way
+    of running the layers on this platform needs."""
+    return Cache.create(config, batch, max_len, dtype, stacked=config.scans_layers(jax.default_backend()))
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -425,8 +479,15 @@ def create_model(config: ModelConfig, seed: int = 0) -> Transformer:
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens, positions, kv_mask, cache=None, cache_index=0,
-            output_slots: tuple[int, int] | None = None, remat: str = "none", hidden_only: bool = False):
+            output_slots: tuple[int, int] | None = None, remat: str = "none", hidden_only: bool = False,
+            layers: LayerParams | None = None):
     """Pure functional forward over split NNX state, for use inside `jax.jit` (cheap per call,
-    unlike `nnx.jit`; PITFALLS.md). `output_slots`, `remat`, `hidden_only`: see `Transformer.__call__`."""
+    unlike `nnx.jit`; PITFALLS.md). `output_slots`, `remat`, `hidden_only`, `layers`: see
+    `Transformer.__call__`."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, kv_mask, cache, cache_index, output_slots, remat, hidden_only)
+    return model(tokens, positions, kv_mask, cache, cache_index, output_slots, remat, hidden_only, layers)
+
+
+def layer_params(graphdef: nnx.GraphDef, params: nnx.State) -> LayerParams:
+    """`Transformer.layer_params` over split NNX state (for `forward`'s `layers`)."""
+    return nnx.merge(graphdef, params).layer_params()

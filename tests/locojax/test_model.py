@@ -1,4 +1,4 @@
-"""The decoder: catalog sizes, KV-cache consistency, and sharded execution."""
+"""The decoder: catalog sizes, KV-cache consistency, sharded execution, scanned vs unrolled layers."""
 
 import functools
 
@@ -247,3 +247,15 @@ def test_scan_layers_auto_scans_on_accelerators_only():
     assert not config.replace(scan_layers=False).scans_layers("tpu")
     with pytest.raises(ValueError, match="scan_layers"):
         config.replace(scan_layers="yes")
+
+
+def test_remat_policies_are_the_ones_the_spec_and_the_memory_plan_know():
+    """A policy added to the model must be planned for and accepted by the spec (and the other way round)."""
+    from typing import get_args
+
+    from locojax.model.transformer import REMAT_POLICIES
+    from locojax.placement.memory import REMAT_POLICIES as PLANNED
+    from locojax.spec import ModelSpec
+
+    assert tuple(REMAT_POLICIES) == PLANNED
+    assert get_args(ModelSpec.model_fields["remat"].annotation) == PLANNED
