@@ -225,18 +225,23 @@ def test_scanned_layers_prefill_and_decode_like_the_unrolled_ones(name):
     kv_mask = jnp.concatenate([mask, jnp.zeros((batch, 4), bool)], axis=1)
     step = jax.jit(forward, static_argnums=0, static_argnames="output_slots")
 
-    def prefill_then_decode(graphdef):
-        logits, cache = step(graphdef, params, tokens[:, :prompt_len], positions[:, :prompt_len], kv_mask,
-                             init_cache(config, batch, total + 4), 0, output_slots=(prompt_len - 1, prompt_len))
+    def prefill_then_decode(graphdef, scan):
+        cache = init_cache(config.replace(scan_layers=scan), batch, total + 4)
+        assert cache.stacked == scan  # the scan carries one [L, ...] array; unrolled layers keep one each
+        logits, cache = step(graphdef, params, tokens[:, :prompt_len], positions[:, :prompt_len], kv_mask, cache, 0,
+                             output_slots=(prompt_len - 1, prompt_len))
         pieces = [logits]
         for i in range(prompt_len, total):
             logits, cache = step(graphdef, params, tokens[:, i:i + 1], positions[:, i:i + 1], kv_mask, cache, i)
             pieces.append(logits)
-        return jnp.concatenate(pieces, axis=1), cache
+        return jnp.concatenate(pieces, axis=1), jnp.stack(cache.keys), jnp.stack(cache.values)
 
-    scanned_logits, scanned_cache = prefill_then_decode(scanned)
-    _assert_trees_close((scanned_logits, scanned_cache), prefill_then_decode(unrolled))
-    assert scanned_cache.keys.shape == (config.n_layers, batch, config.n_kv_heads, config.head_dim, total + 4)
+    scanned_logits, scanned_keys, scanned_values = prefill_then_decode(scanned, True)
+    _assert_trees_close((scanned_logits, scanned_keys, scanned_values), prefill_then_decode(unrolled, False))
+    assert scanned_keys.shape == (config.n_layers, batch, config.n_kv_heads, config.head_dim, total + 4)
+    with pytest.raises(ValueError, match="stacked cache"):
+        step(scanned, params, tokens[:, :1], positions[:, :1], kv_mask,
+             init_cache(config.replace(scan_layers=False), batch, total + 4), 0)
 
 
 def test_scan_layers_auto_scans_on_accelerators_only():
