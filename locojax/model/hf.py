@@ -203,22 +203,24 @@ def load_hf_checkpoint(directory: str | Path, dtype: str = "float32", scan_layer
     for hf_name, path, layer, to_ours, _ in rows:
         shape = tuple(_variable_at(state, path).get_value().shape)
         expected = shape if layer is None else shape[1:]
+        tensor = tensors.pop(hf_name)  # dropped once copied: loading holds about one extra model copy
         try:
-            value = to_ours(tensors[hf_name])
+            value = to_ours(tensor)
         except ValueError:  # a reshape that cannot fit: the same mismatch, reported below
-            value = tensors[hf_name]
+            value = tensor
         if value.shape != expected:
             raise CheckpointError(
-                f"tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)}; the config expects a tensor "
+                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; the config expects a tensor "
                 f"that maps to {expected}"
             )
         if layer is None:
             values[path] = value
         else:
             values.setdefault(path, np.empty(shape, value.dtype))[layer] = value
-    for path, value in values.items():
+    for path in list(values):
         # A copy JAX owns: now that loading only reshapes, asarray would alias the reader's buffers on CPU,
         # which the train step cannot donate (the 0.6B run's peak RSS rose 1.5 GiB).
+        value = values.pop(path)
         _variable_at(state, path).set_value(jnp.array(value, dtype=jnp.dtype(config.param_dtype), copy=True))
     return nnx.merge(graphdef, state)
 
