@@ -123,17 +123,17 @@ def locojax_side(steps: int, warmup: int) -> None:
     common.sampling_config = lambda spec, tok: dataclasses.replace(real_sampling_config(spec, tok), eos_id=None)
 
     generated: list[dict] = []
-    real_completions = common.RolloutRunner.completions
+    real_texts = common.RolloutRunner.texts
 
-    def counting_completions(self, result):
-        # Our loss trains on every slot of `result.mask` (sampled pad ids included: the mask ends
-        # only at EOS), so trained tokens are the mask's sum.
-        lengths = np.asarray(result.mask).sum(axis=1)
+    def counting_texts(self, tokens, lengths):
+        # Our loss trains on every slot of the completion mask (sampled pad ids included: the mask ends
+        # only at EOS), whose row sums are these lengths, so trained tokens are their sum.
+        lengths = np.asarray(lengths)
         generated.append({"rows": int(lengths.size), "slots": int(lengths.sum()), "tokens": int(lengths.sum()),
                           "min_len": int(lengths.min()), "max_len": int(lengths.max())})
-        return real_completions(self, result)
+        return real_texts(self, tokens, lengths)
 
-    common.RolloutRunner.completions = counting_completions
+    common.RolloutRunner.texts = counting_texts
 
     class StampSink:
         """Stamps the aggregate record of each step: the end of that step's loop body."""

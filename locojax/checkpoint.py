@@ -128,6 +128,8 @@ class Checkpointer:
     def save(self, state: TrainState, extra: Mapping[str, Any] | None = None, *, force: bool = False) -> bool:
         """Save `state` under `state.step` if due (or `force`); `extra` must be JSON-serialisable.
         Returns whether a save started. A step already saved is not saved again."""
+        if not force and self.every <= 0:
+            return False  # never due: no need to read the step counter off the device
         step = _host_int(state.step)
         if not (force or self.should_save(step)) or step in self._manager.all_steps():
             return False

@@ -27,6 +27,8 @@ ENGINE_COMMAND_MODULES = [
     "locojax.commands",
     "locojax.placement.commands",
     "locojax.client",
+    "locojax.calibration_client",
+    "locojax.export_metrics",
 ]
 
 

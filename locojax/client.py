@@ -134,9 +134,38 @@ class ApiClient:
 
     # reads
     def metric_history(self, run_id: int, keys: list[str], *, hosts: list[int] | None = None,
-                       max_points: int = 1000) -> dict[str, Any]:
-        params = {"key": keys, "host": hosts or [-1], "max_points": max_points}
-        return self.request("GET", f"/api/v1/runs/{run_id}/metrics/history", params=params)
+                       max_points: int = 1000, start_step: int | None = None,
+                       end_step: int | None = None) -> dict[str, Any]:
+        params = {"key": keys, "host": hosts or [-1], "max_points": max_points, "start_step": start_step,
+                  "end_step": end_step}
+        return self.request("GET", f"/api/v1/runs/{run_id}/metrics/history",
+                            params={k: v for k, v in params.items() if v is not None})
+
+    def metric_keys(self, run_id: int) -> dict[str, Any]:
+        """Every metric key of a run and the hosts (-1: the aggregate) that reported any."""
+        return self.request("GET", f"/api/v1/runs/{run_id}/metrics/keys")
+
+    # calibration: what the placement model learned from measured runs
+    def import_observation(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """An observation_payload of a run directory (admin tokens only); idempotent per directory."""
+        return self.request("POST", "/api/v1/calibration/observations", json=payload)
+
+    def list_observations(self, *, hardware: str | None = None, limit: int | None = None,
+                          cursor: str | None = None) -> dict[str, Any]:
+        params = {"hardware": hardware, "limit": limit, "cursor": cursor}
+        return self.request("GET", "/api/v1/calibration/observations",
+                            params={k: v for k, v in params.items() if v is not None})
+
+    def set_observation_excluded(self, observation_id: int, excluded: bool) -> dict[str, Any]:
+        action = "exclude" if excluded else "include"
+        return self.request("POST", f"/api/v1/calibration/observations/{observation_id}/{action}")
+
+    def list_calibrations(self, hardware: str | None = None) -> dict[str, Any]:
+        params = {"hardware": hardware} if hardware else {}
+        return self.request("GET", "/api/v1/calibration/versions", params=params)
+
+    def activate_calibration(self, calibration_id: int) -> dict[str, Any]:
+        return self.request("POST", f"/api/v1/calibration/versions/{calibration_id}/activate")
 
     def metric_deliveries(self, run_id: int) -> dict[str, Any]:
         """Per series: values the API received (retries and repeats counted) against rows stored."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import typer
 from pydantic import ValidationError
@@ -54,23 +54,52 @@ def _allow_rewards(spec: RunSpec, reward_modules: str, where: str, eval_spec: Ev
     hold or a reward outside the allowlist, before anything is imported: the host re-checks what the API
     accepted (a forged start message stops here), with the API's messages. The eval block's rewards
     (`eval_spec`, default the spec's own) are checked the same way."""
-    from locojax.rewards import allow_reward_modules, allowed_reward_modules
+    from locojax.rewards import allow_reward_modules, allowed_reward_modules, unknown_names
 
     allow_reward_modules(reward_modules)
     if eval_spec is not None:
         spec = spec.model_copy(update={"eval": eval_spec})
-    refused = spec.unknown_names(allowed_reward_modules())
+    refused = unknown_names(spec, allowed_reward_modules())
     if refused:
         lines = "; ".join(f"{field}: {message}" for field, message in refused)
         typer.secho(f"{where}: refused: {lines}", fg="red", err=True)
         raise typer.Exit(EXIT_SPEC_ERROR)
 
 
-def configure_jax(devices_per_host: int) -> None:
-    """Give this process `devices_per_host` CPU devices (ignored by accelerator backends)."""
+def default_compilation_cache() -> Path:
+    """Where a host's runs share compiled programs unless its operator says otherwise."""
+    return Path.home() / ".locojax" / "compilation-cache"
+
+
+CompilationCacheOpt = typer.Option(
+    None, "--compilation-cache",
+    help="folder of compiled programs this host's runs share (JAX's persistent compilation cache), so a run "
+         "that compiles what an earlier one did starts in seconds; default ~/.locojax/compilation-cache. "
+         "An operator's setting, never a spec's")
+NoCompilationCacheOpt = typer.Option(False, "--no-compilation-cache", help="compile everything afresh")
+
+# Bounds the shared folder: JAX evicts the least recently used programs beyond it.
+COMPILATION_CACHE_MAX_BYTES = 4 * 2**30
+
+
+def configure_jax(devices_per_host: int, compilation_cache: Path | None = None, *,
+                  no_compilation_cache: bool = False) -> None:
+    """Give this process `devices_per_host` CPU devices (ignored by accelerator backends) and, unless
+    `no_compilation_cache`, the persistent compilation cache in `compilation_cache` (default: the folder
+    JAX was already given through its own JAX_COMPILATION_CACHE_DIR, as a test session does, else
+    `default_compilation_cache()`). Every program is cached, however short its compilation: a run's
+    first step compiles a dozen small ones beside rollout and the train step."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices_per_host)
+    if no_compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", None)
+        return
+    folder = Path(compilation_cache or jax.config.jax_compilation_cache_dir or default_compilation_cache())
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
 def _with(spec: RunSpec, **overrides) -> RunSpec:
@@ -99,6 +128,8 @@ def train(
     secret_file: Optional[Path] = typer.Option(None, help="the attempt's shared secret (a file only this user "
                                                           "can read), with which its processes authenticate "
                                                           "(DA: the Ray token)"),
+    compilation_cache: Optional[Path] = CompilationCacheOpt,
+    no_compilation_cache: bool = NoCompilationCacheOpt,
 ) -> None:
     """Train a run (GRPO, or SFT for `kind: sft`): in this process when it has one host, else start its
     hosts with `launch`."""
@@ -111,25 +142,26 @@ def train(
     _check_data(spec, spec_path)
     placement, mode = spec.placement, spec_mode(spec)
     if mode.multi_process and placement.hosts > 1:
-        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file, reward_modules)
+        _launch_spec(spec, placement.hosts, placement.devices_per_host, resume, quiet, cancel_file, reward_modules,
+                     _cache_args(compilation_cache, no_compilation_cache))
         return
-    from locojax.modes import isolate_network, run_mode
+    from locojax.modes import isolate_network
 
     # A DA driver whose reserved hosts join its Ray head listens on its host's network, not a private
     # one, bound to the address it listens at.
     head = listen if mode.uses_ray and not ray_address else None
     isolate_network(spec, ray_address, head)
-    configure_jax(mode.local_devices(placement))
-    from locojax.modes.da import DAError
-    from locojax.modes.sc import SCError
+    configure_jax(mode.local_devices(placement), compilation_cache, no_compilation_cache=no_compilation_cache)
+    from locojax.modes.errors import ModeRunError
     from locojax.placement.memory import MemoryPlanError
+    from locojax.runner import run_mode
 
     try:
         extra = {"ray_address": ray_address} if ray_address and mode.uses_ray else {}
         if listen and not (mode.uses_ray and ray_address):  # an operator's Ray replaces a DA run's own head
             extra.update(listen=listen, secret_file=secret_file)
         result = run_mode(spec, resume=resume, console=not quiet, cancel_file=cancel_file, **extra)
-    except (DAError, SCError) as exc:
+    except ModeRunError as exc:
         typer.secho(f"{spec.name}: failed: {exc}", fg="red", err=True)
         raise typer.Exit(EXIT_FAILED) from None
     except MemoryPlanError as exc:  # refused before allocating: a spec that asks too much, like a bad field
@@ -150,6 +182,8 @@ def host(
     cancel_file: Optional[Path] = typer.Option(None, help="stop at the next step boundary once this file exists"),
     quiet: bool = typer.Option(False, "--quiet"),
     reward_modules: str = RewardModulesOpt,
+    compilation_cache: Optional[Path] = CompilationCacheOpt,
+    no_compilation_cache: bool = NoCompilationCacheOpt,
 ) -> None:
     """Run one host of a multi-host job: what every TPU VM (or simulated host) runs. An SFT spec
     (`kind: sft`) runs here too, as the single host of its job."""
@@ -161,7 +195,7 @@ def host(
                     f"but this host was started as one of --num-processes {num_processes}", fg="red", err=True)
         raise typer.Exit(EXIT_SPEC_ERROR)
     _check_data(spec, spec_path)
-    configure_jax(devices_per_host)
+    configure_jax(devices_per_host, compilation_cache, no_compilation_cache=no_compilation_cache)
     import jax
 
     if num_processes > 1:
@@ -172,7 +206,7 @@ def host(
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id,
                                    coordinator_bind_address=coordinator if process_id == 0 else None)
-    from locojax.modes import run_mode
+    from locojax.runner import run_mode
 
     kwargs = {"resume": resume, "console": not quiet and process_id == 0}
     if cancel_file is not None:
@@ -228,12 +262,14 @@ def sc_worker(
     secret_file: Path = typer.Option(..., help="the attempt's shared secret (a file only this user can read)"),
     resume: bool = typer.Option(False, "--resume"),
     quiet: bool = typer.Option(False, "--quiet"),
+    compilation_cache: Optional[Path] = CompilationCacheOpt,
+    no_compilation_cache: bool = NoCompilationCacheOpt,
 ) -> None:
     """Run one host's worker of an SC run: it samples and trains that host's share when its
     controller says so, and stops when the controller does."""
     spec = _load(spec_path)
     _check_data(spec, spec_path)
-    configure_jax(devices_per_host)
+    configure_jax(devices_per_host, compilation_cache, no_compilation_cache=no_compilation_cache)
     from locojax.link import LinkError, read_secret
     from locojax.modes.sc import serve_worker
 
@@ -244,8 +280,15 @@ def sc_worker(
         raise typer.Exit(EXIT_FAILED) from None
 
 
+def _cache_args(compilation_cache: Path | None, no_compilation_cache: bool) -> list[str]:
+    """The compilation-cache options to hand on to the host processes a command starts."""
+    if no_compilation_cache:
+        return ["--no-compilation-cache"]
+    return ["--compilation-cache", str(compilation_cache)] if compilation_cache else []
+
+
 def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool, quiet: bool,
-                 cancel_file: Path | None = None, reward_modules: str = "") -> None:
+                 cancel_file: Path | None = None, reward_modules: str = "", cache_args: Sequence[str] = ()) -> None:
     import tempfile
 
     from locojax.launch import LaunchError, launch
@@ -258,6 +301,7 @@ def _launch_spec(spec: RunSpec, hosts: int, devices_per_host: int, resume: bool,
     extra += ["--reward-modules", reward_modules] if reward_modules else []
     # Every host watches the same file; CO hosts agree on it in their per-step gather.
     extra += ["--cancel-file", str(cancel_file)] if cancel_file is not None else []
+    extra += list(cache_args)
     try:
         codes = launch(handle.name, hosts, devices_per_host, extra, status_dir=output_dir(spec))
     except LaunchError as exc:

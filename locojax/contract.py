@@ -7,9 +7,9 @@ It holds
     across hosts (the timers and reporters that produce them live in `locojax.metrics`);
   * the run statuses of the control plane (DESIGN §7) and the engine's own end states;
   * the exit codes of `locojax train` / `locojax host`;
-  * the run-directory layout (`spec.yaml`, `metrics.jsonl`, `hosts/host<i>.json`, `result.json`,
-    `checkpoints/`, SFT's `model/`) with its readers and writers;
-  * the message shapes the scheduler sends and the worker consumes.
+  * the run-directory layout (`spec.yaml`, `metrics.jsonl`, `environment.json`, `tensorboard/`,
+    `hosts/host<i>.json`, `result.json`, `checkpoints/`, SFT's `model/`) with its readers and writers;
+  * the message shapes the scheduler sends and the worker consumes, the task's name and each host's queue.
 
 Records are flat: `{"step": 3, "host": 0, "time/step": 0.41, "reward/mean": 0.2, ...}`; `step` is
 the 0-based index of the step the values describe (after it, `TrainState.step == step + 1`), `host`
@@ -23,6 +23,7 @@ import enum
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -222,6 +223,11 @@ METRICS_FILE = "metrics.jsonl"  # host 0 writes every host's records and the "al
 # its host alone relays the run's metrics (and checkpoints), and the control plane takes metrics from no other.
 METRICS_PROCESS_INDEX = 0
 RESULT_FILE = "result.json"
+# What the run ran on and what it trained, written by host 0 at start (`EngineEnvironment`): a run
+# directory carried off a machine without the control plane (a TPU VM) says which hardware it measured.
+ENVIRONMENT_FILE = "environment.json"
+# TensorBoard event files: one directory per host (`host<i>`) and one for the aggregate (`all`).
+TENSORBOARD_DIR = "tensorboard"
 HOSTS_DIR = "hosts"  # hosts/host<i>.json: where host i is (step, phase, pid)
 CHECKPOINTS_DIR = "checkpoints"  # Orbax, unless spec.checkpoint.dir names another place
 EXPORT_DIR = "model"  # an SFT run's Hugging Face export, what a GRPO spec's model.checkpoint names
@@ -274,23 +280,123 @@ def read_result(out: Path) -> RunResult | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineEnvironment:
+    """What a run ran on and what it trained, as its host 0 saw them at start (`environment.json`).
+
+    `device_kind` is JAX's own name ("TPU v5 lite", "cpu"); `hardware` the placement catalog's profile
+    it maps to (`locojax.placement.hardware.hardware_for_device`), None when the catalog has none.
+    `model` holds the `ModelConfig` fields of the model the run trains (a checkpoint's own dimensions,
+    not the spec's preset name), so the cost model can price it without the checkpoint.
+    """
+
+    platform: str
+    device_kind: str
+    hardware: str | None
+    devices: int  # over every process of the run
+    local_devices: int
+    processes: int
+    device_memory_bytes: int | None  # one device's allocator limit, where the runtime reports it
+    model: dict[str, Any]
+    jax_version: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = ENVIRONMENT_FILE) -> "EngineEnvironment":
+        """Checked field by field: a file carried from another machine is input like any other."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: expected a JSON object")
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        types = {"platform": str, "device_kind": str, "hardware": (str, type(None)), "devices": int,
+                 "local_devices": int, "processes": int, "device_memory_bytes": (int, type(None)), "model": dict,
+                 "jax_version": str}
+        for name, expected in types.items():
+            if name not in data:
+                if fields[name].default is dataclasses.MISSING:
+                    raise ValueError(f"{where}: field {name!r} is missing")
+                continue
+            value = data[name]
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(f"{where}: field {name!r} has the wrong type ({type(value).__name__})")
+        for name in ("devices", "local_devices", "processes"):
+            if data[name] < 1:
+                raise ValueError(f"{where}: field {name!r} must be at least 1, got {data[name]}")
+        return cls(**dict(data))
+
+
+def write_environment(out: Path, environment: EngineEnvironment) -> None:
+    (out / ENVIRONMENT_FILE).write_text(json.dumps(environment.to_json(), indent=2), encoding="utf-8")
+
+
+def read_environment(out: Path) -> EngineEnvironment | None:
+    """The run's environment, or None when it has no `environment.json` (runs from before it existed);
+    a malformed file is a ValueError naming it."""
+    path = out / ENVIRONMENT_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg})") from None
+    return EngineEnvironment.from_json(data, str(path))
+
+
 def host_status_path(out: Path, host: int) -> Path:
     return out / HOSTS_DIR / f"host{host}.json"
 
 
 class HostStatus:
     """Where this host is (step, phase), in `<output_dir>/hosts/host<i>.json`, so that when a host
-    dies the launcher or worker can say in which phase it was lost."""
+    dies the launcher or worker can say in which phase it was lost.
+
+    A background thread writes the file: calling the status only records the newest (step, phase),
+    because each atomic write (a file and a rename) cost about a millisecond on a TPU VM, five times a
+    step, while the chip waited. A host that dies leaves the last phase the thread wrote, which trails
+    the host by at most the write in flight. `close` waits until the newest status is on disk."""
 
     def __init__(self, out: Path, host: int):
         self.host = host
         self.path = host_status_path(out, host)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._changed = threading.Condition()
+        self._latest: tuple[int, str] | None = None
+        self._written: tuple[int, str] | None = None
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_changes, name=f"host-status-{host}", daemon=True)
+        self._writer.start()
 
     def __call__(self, step: int, phase: str) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"host": self.host, "step": step, "phase": phase, "pid": os.getpid()}))
-        tmp.replace(self.path)  # atomic: a reader never sees half a file
+        with self._changed:
+            self._latest = (step, phase)
+            self._changed.notify_all()
+
+    def _write_changes(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._latest != self._written or self._closed)
+                latest = self._latest
+                if latest == self._written:
+                    return  # closed with nothing left to write
+            step, phase = latest
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"host": self.host, "step": step, "phase": phase, "pid": os.getpid()}))
+            tmp.replace(self.path)  # atomic: a reader never sees half a file
+            with self._changed:
+                self._written = latest
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._writer.join()
 
 
 def read_host_status(out: Path, host: int) -> dict | None:
@@ -337,7 +443,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 # Worker messages
 
 
+# The Celery task that starts one engine process; the scheduler sends it (server.scheduler builds its
+# sending client from these names) and the host workers run it (worker.app builds their Celery app).
 START_HOST_TASK = "locojax.start_host"
+MESSAGE_SERIALIZER = "json"  # the task messages' body format, on both sides
+
+
+def host_queue(host_name: str) -> str:
+    """Each host consumes only its own queue, so a start message reaches exactly the host it names."""
+    return f"host.{host_name}"
 
 
 @dataclasses.dataclass(frozen=True)

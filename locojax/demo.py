@@ -132,7 +132,7 @@ def eval_series(records: Sequence[dict]) -> tuple[list[int], list[float], list[f
 
 def run_demo(out: Path, console: bool = True, sft_steps: int = SFT_STEPS, grpo_steps: int = GRPO_STEPS,
              seed: int = 0) -> str:
-    from locojax.modes import run_mode
+    from locojax.runner import run_mode
 
     out = Path(out)
     sft_spec, grpo_spec = demo_specs(out, grpo_steps, seed, sft_steps)

@@ -26,6 +26,34 @@ class Policy:
     tokenizer: Tokenizer
 
 
+def _policy_config(spec: RunSpec) -> ModelConfig:
+    """The config `load_policy` builds, read without building the model (a HF directory's config.json)."""
+    if not spec.model.checkpoint:
+        return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype,
+                                                      scan_layers=spec.model.scan_layers)
+    import json
+
+    from locojax.model.hf import config_from_hf
+
+    path = Path(spec.model.checkpoint)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.checkpoint: {path} holds no config.json (expected a HF directory, "
+                                "e.g. <output_dir>/model of a finished SFT run)")
+    return config_from_hf(json.loads((path / "config.json").read_text(encoding="utf-8")), name=path.name,
+                          dtype=spec.model.dtype).replace(scan_layers=spec.model.scan_layers)
+
+
+def abstract_policy(spec: RunSpec) -> Policy:
+    """`load_policy`'s result as shapes only (params are ShapeDtypeStructs; nothing is allocated or read
+    but the config), with the same config and graph, for compiling the run's programs ahead of time."""
+    from locojax.model import Transformer
+
+    config = _policy_config(spec)
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=spec.seed)))
+    graphdef, params = split_params(model)
+    return Policy(config, graphdef, params, load_tokenizer(spec.model.tokenizer))
+
+
 def load_policy(spec: RunSpec) -> Policy:
     """The starting policy: a preset initialised from the run's seed, or a local HF checkpoint
     directory (e.g. `<output_dir>/model` of an SFT run). Every host builds bit-identical params."""
@@ -39,9 +67,7 @@ def load_policy(spec: RunSpec) -> Policy:
                                     "e.g. <output_dir>/model of a finished SFT run)")
         model = load_hf_checkpoint(path, dtype=spec.model.dtype, scan_layers=spec.model.scan_layers)
     else:
-        config = get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype,
-                                                       scan_layers=spec.model.scan_layers)
-        model = create_model(config, seed=spec.seed)
+        model = create_model(_policy_config(spec), seed=spec.seed)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"model.tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
                          f"{model.config.vocab_size}")

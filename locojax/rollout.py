@@ -358,6 +358,8 @@ def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: Samp
         prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), batch_sharding)
         return jitted(params, prompt_tokens, prompt_mask, key, np.int32(row_offset))
 
+    # For compiling ahead of time from abstract arguments (locojax.compiled_plan): the program the calls run.
+    generate.jitted, generate.batch_sharding = jitted, batch_sharding
     return generate
 
 

@@ -16,7 +16,7 @@ One step, read top to bottom in `run` below:
      and the aggregate to `metrics.jsonl`.
 After a cancelled step, or the last one: a forced checkpoint of its state; then, unless cancelled, a
 final evaluation when the session has one; then `session.finish` (wait for checkpoints, SFT's
-export), then `result.json`.
+export), then `result.json`. `run_mode` runs a spec under the mode it names (`locojax.modes`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ from locojax.contract import (
     CHECKPOINTS_DIR,
     METRICS_FILE,
     SPEC_FILE,
+    TENSORBOARD_DIR,
     EngineStatus,
     HostStatus,
     RunResult,
     cancel_requested,
+    write_environment,
     write_result,
 )
+from locojax.environment import describe as describe_environment
+from locojax.modes import spec_mode
 from locojax.spec import RunSpec, dump_spec
+from locojax.tensorboard import TensorBoardSink
 
 
 def output_dir(spec: RunSpec) -> Path:
@@ -55,6 +60,7 @@ def start_output(spec: RunSpec, host: int) -> Path:
     if host == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / SPEC_FILE).write_text(dump_spec(spec), encoding="utf-8")
+        write_environment(out, describe_environment(spec))
     return out
 
 
@@ -63,7 +69,7 @@ def make_logger(spec: RunSpec, out: Path, host: int, start_step: int, console: b
     """Host 0 writes the run's records (per host and aggregate) to metrics.jsonl and the console."""
     sinks = list(extra_sinks)
     if host == 0:
-        sinks = [m.JsonlSink(out / METRICS_FILE)] + sinks
+        sinks = [m.JsonlSink(out / METRICS_FILE), TensorBoardSink(out / TENSORBOARD_DIR)] + sinks
         if console:
             sinks.append(m.ConsoleSink(spec.steps, description=spec.name, start_step=start_step))
     return m.MetricsLogger(sinks)
@@ -127,7 +133,7 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
         **options: Any) -> RunResult:
     """Run (or resume) `spec` with the mode session `setup(spec, resume=..., **options)` returns."""
     session = setup(spec, resume=resume, **options)
-    logger = None
+    logger = where = None
     try:
         host = session.host
         out = start_output(spec, host)
@@ -184,8 +190,15 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
     finally:
         if logger is not None:
             logger.close()
+        if where is not None:
+            where.close()
         session.close()
     result = RunResult(status.value, steps_done, last_checkpoint, combined)
     if host == 0:
         write_result(out, result)
     return result
+
+
+def run_mode(spec: RunSpec, **options: Any) -> RunResult:
+    """Run `spec` in this process under its mode, through the one run loop."""
+    return run(spec, spec_mode(spec).session_class(), **options)

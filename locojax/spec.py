@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -93,7 +93,7 @@ class AlgoSpec(_Strict):
     num_iterations: int = Field(1, ge=1, le=64)
     micro_batch_size: int | None = Field(None, ge=1, le=65536, description=(
         "sequences of the global batch per gradient micro-batch; unset: the whole batch on accelerators, "
-        "micro-batches of at most 8192 token slots per device on CPU (locojax.train.CPU_MICRO_BATCH_SLOTS)"))
+        "micro-batches of at most 8192 token slots per device on CPU (locojax.placement.memory.CPU_MICRO_BATCH_SLOTS)"))
 
 
 class OptimSpec(_Strict):
@@ -240,23 +240,6 @@ class RunSpec(_Strict):
                 f"{hosts} host(s) that do rollout, so every group lives on one host"
             )
         return self
-
-    def unknown_names(self, reward_modules: Sequence[str]) -> list[tuple[str, str]]:
-        """(field path, message) for each task or reward name its registry does not hold, or a
-        `package.module:function` reward outside the operator's `reward_modules`. The CLI, the hosts
-        and the API all ask this, so they refuse the same specs with the same messages. (Mode,
-        advantage estimator and loss names are checked by the fields' own types above, which list
-        exactly the registries' names: a test holds them equal.)"""
-        from locojax.rewards import check_reward_names
-        from locojax.tasks import TASKS
-
-        errors = []
-        if self.task.name not in TASKS:
-            errors.append(("task.name", f"unknown task {self.task.name!r}; known: {', '.join(TASKS.names())}"))
-        rewards = {"task.reward": self.task.reward or [], "eval.reward": (self.eval.reward if self.eval else None) or []}
-        errors += [(f"{field}.{index}", message) for field, names in rewards.items()
-                   for index, message in check_reward_names(names, reward_modules)]
-        return errors
 
     def digest(self) -> str:
         """Stable hash of the normalised spec (idempotency keys compare these)."""

@@ -34,6 +34,7 @@ tensor axes > 1) the step leaves the collectives to `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import flax.struct
@@ -47,7 +48,7 @@ from jax.sharding import Mesh, PartitionSpec
 from locojax import metrics as m
 from locojax.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, token_mean_weights
 from locojax.model import positions_from_mask
-from locojax.placement.memory import LOGPROB_VOCAB_CHUNK
+from locojax.placement.memory import LOGPROB_VOCAB_CHUNK, num_micro_batches
 from locojax.spec import AlgoSpec, OptimSpec
 
 Batch = Mapping[str, jax.Array]
@@ -229,34 +230,15 @@ def make_logprobs_fn(
         graphdef, params, tokens, prompt_mask, completion_mask, temperature), compiler_options=compiler_options)
 
 
+@functools.lru_cache(maxsize=16)
+def reference_logprobs_fn(graphdef: nnx.GraphDef, temperature: float = 1.0) -> Callable[..., jax.Array]:
+    """`make_logprobs_fn` once per (graph, temperature): a run's KL reference pass and the memory plan that
+    compiled it ahead of time (locojax.compiled_plan) share one jitted function, and so its compilation."""
+    return make_logprobs_fn(graphdef, temperature)
+
+
 # ------------------------------------------------------------------------------------------------
 # Shared step machinery
-
-
-# With no micro_batch_size set, a step on CPU devices splits each device's rows into micro-batches of
-# at most this many token slots (halving while the rows divide evenly). XLA:CPU allocates a step's
-# whole temporary buffer afresh on every call and the kernel faults in and zeroes every page of it,
-# so past a few thousand rows x slots the faults, not the FLOPs, set the time: 512 rows x 104 slots
-# on one core took 680 ms whole, 384 ms as 4 micro-batches and 331 ms as 8 (6.6K slots each);
-# 1024 rows 1346 ms whole, 708 ms as 8. Accelerators keep the whole batch (their memory is
-# allocated once); set micro_batch_size to bound their activation memory.
-CPU_MICRO_BATCH_SLOTS = 8192
-
-
-def _num_micro_batches(batch_size: int, micro_batch_size: int | None, seq_len: int = 0,
-                       data_devices: int = 1, platform: str = "") -> int:
-    if micro_batch_size is None:
-        if platform != "cpu":
-            return 1
-        num, per_device = 1, batch_size // max(data_devices, 1)
-        while per_device // num * seq_len > CPU_MICRO_BATCH_SLOTS and per_device % (2 * num) == 0:
-            num *= 2
-        return num
-    if micro_batch_size >= batch_size:
-        return 1
-    if batch_size % micro_batch_size:
-        raise ValueError(f"batch of {batch_size} sequences is not a multiple of micro_batch_size {micro_batch_size}")
-    return batch_size // micro_batch_size
 
 
 def _data_layout(mesh: Mesh | None) -> tuple[int, str]:
@@ -327,9 +309,10 @@ def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_
 
 def _gradient_plan(loss_fn, batch: Mapping[str, jax.Array], micro_batch_size: int | None, mesh: Mesh | None):
     """(micro-batch count, `grads_fn(params, micro)`) of a step on `batch`: the count from
-    `_num_micro_batches` for this mesh's layout, the gradients from `packed_data_parallel_grads`."""
+    `num_micro_batches` (the memory plan's rule) for this mesh's layout, the gradients from
+    `packed_data_parallel_grads`."""
     batch_size, seq_len = batch["tokens"].shape[0], batch["tokens"].shape[1]
-    num_micro = _num_micro_batches(batch_size, micro_batch_size, seq_len, *_data_layout(mesh))
+    num_micro = num_micro_batches(batch_size, micro_batch_size, seq_len, *_data_layout(mesh))
     return num_micro, packed_data_parallel_grads(loss_fn, mesh, num_micro, batch_size // num_micro)
 
 
@@ -473,5 +456,5 @@ __all__ = [
     "Batch", "CompilerOptions", "LOGPROB_VOCAB_CHUNK", "Metrics", "Optimizer", "StepFn", "TrainState",
     "chunked_logprobs_and_entropy", "completion_logprobs_and_entropy",
     "init_train_state", "lr_schedule", "make_logprobs_fn", "make_optimizer", "make_sft_step",
-    "make_train_step", "packed_data_parallel_grads", "sequence_logprobs", "split_params", "tokens_in_batch",
+    "make_train_step", "packed_data_parallel_grads", "reference_logprobs_fn", "sequence_logprobs", "split_params", "tokens_in_batch",
 ]

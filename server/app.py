@@ -21,7 +21,7 @@ from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from server.api import catalog, events, health, hosts, metrics, placement, runs, tokens
+from server.api import calibration, catalog, events, health, hosts, metrics, placement, runs, tokens
 from server.api.deps import StreamSlots, reject_nul_characters
 from server.db import Database, upgrade_to_head
 from server.errors import ApiError
@@ -164,7 +164,7 @@ def create_app(settings: Settings, *, plugins: bool = True) -> FastAPI:
     _install_error_handlers(app)
 
     # Routers carry their full path (API_PREFIX included) so route templates in metrics are complete.
-    for module in (health, runs, metrics, events, hosts, placement, catalog, tokens):
+    for module in (health, runs, metrics, events, hosts, placement, calibration, catalog, tokens):
         app.include_router(module.router)
     if plugins:
         _load_plugins(app, settings)

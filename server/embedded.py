@@ -141,7 +141,9 @@ def start(settings: Settings, *, hosts: int, port: int, devices_per_host: int = 
                 prefix = list(worker_prefixes[index]) if worker_prefixes else []
                 address = ["--address", worker_addresses[index]] if worker_addresses else []
                 plane.processes[name] = _spawn(
-                    prefix + cli + ["worker", "--name", name, "--cores", cores, "--devices", str(devices_per_host)]
+                    # Simulated hosts: CPU devices by construction, so no JAX probe at their start.
+                    prefix + cli + ["worker", "--name", name, "--cores", cores, "--devices", str(devices_per_host),
+                                    "--device-kind", "local-cpu"]
                     + address, worker_env, logs / f"worker-{name}.log")
 
             def registered() -> bool:

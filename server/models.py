@@ -27,6 +27,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -128,6 +129,34 @@ class PlacementDecision(Base):
     measured_step_s: Mapped[float | None] = mapped_column(Double)
     measured_at: Mapped[datetime | None]
     measured_run_id: Mapped[int | None] = mapped_column(Integer)  # no FK: runs point here, not back
+    # The hardware calibration its options were priced with (None: the catalog's shipped constants).
+    calibration_id: Mapped[int | None] = mapped_column(ForeignKey("calibrations.id", ondelete="SET NULL"))
+
+
+class Calibration(Base):
+    """One version of a hardware profile's constants, refitted from its observations
+    (`locojax.placement.calibration.calibrate`): when, from which observations, the fitted constants,
+    the whole profile they make, and the fit error before and after. Exactly one version per hardware
+    is active (what recommendations and run predictions use); an admin may make an earlier one active
+    again. Versions count up per hardware and are never rewritten."""
+
+    __tablename__ = "calibrations"
+    __table_args__ = (UniqueConstraint("hardware", "version"),
+                      Index("uq_calibrations_active_hardware", "hardware", unique=True,
+                            sqlite_where=text("active"), postgresql_where=text("active")))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(String(128))
+    observation_ids: Mapped[list[int]] = mapped_column(JsonDoc)
+    constants: Mapped[dict[str, Any]]
+    fit_error: Mapped[dict[str, Any]]  # {"before": FitError, "after": FitError}
+    profile: Mapped[dict[str, Any]]  # HardwareProfile.to_json() of the fitted profile
+    active: Mapped[bool] = mapped_column(Boolean, default=False)
+    activated_at: Mapped[datetime | None]
+    activated_by: Mapped[str | None] = mapped_column(String(128))
 
 
 class Run(Base):
@@ -163,6 +192,11 @@ class Run(Base):
     finished_at: Mapped[datetime | None]
     last_checkpoint_step: Mapped[int | None]
     measured_step_s: Mapped[float | None] = mapped_column(Double)
+    # The catalog profile of the hosts reserved for it, and what the placement model predicted for it
+    # there when they were (step, phases and split; `calibration_id`: the calibration it used).
+    hardware: Mapped[str | None] = mapped_column(String(64))
+    predicted: Mapped[dict[str, Any] | None]
+    calibration_id: Mapped[int | None] = mapped_column(ForeignKey("calibrations.id", ondelete="SET NULL"))
     # Scheduler bookkeeping: when the current attempt's host group was sent out; a run requeued after a
     # failed start is not tried again before `not_before` (exponential backoff on `dispatch_failures`).
     dispatched_at: Mapped[datetime | None]
@@ -206,8 +240,9 @@ class Host(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     slice: Mapped[str | None] = mapped_column(String(128))
-    device_kind: Mapped[str] = mapped_column(String(64))
+    device_kind: Mapped[str] = mapped_column(String(64))  # a hardware catalog name (tpu-v5e, local-cpu, ...)
     device_count: Mapped[int]
+    device_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)  # one device's, as JAX reports it
     status: Mapped[HostRecordStatus] = mapped_column(_str_enum(HostRecordStatus, 16))
     reserved_by_run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), index=True)
     info: Mapped[dict[str, Any]] = mapped_column(default=dict)
@@ -298,6 +333,40 @@ class StepMetricSeries(Base):
     # repeats inside one batch included. The primary key of step_metrics collapses those, so this is
     # the only place where a duplicate delivery is visible (values_posted - rows stored).
     values_posted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class CalibrationObservation(Base):
+    """One measured run that teaches the placement model: what ran (its spec and the model dimensions it
+    trained), on which hardware, and its median per-phase step times after warm-up
+    (`locojax.placement.calibration.StepMeasurement`). From a run of this control plane (`run_id`, added
+    when it finishes) or imported from a run directory measured elsewhere (`digest`, which makes the
+    import idempotent). `predicted` is what the model said before this observation joined it (and
+    `calibration_id` the calibration that said it): the error the placement page charts. An
+    admin may exclude one from the fits (`excluded_at`); `updated_at` moves with every change, which is
+    how a hardware's active calibration knows it is out of date."""
+
+    __tablename__ = "calibration_observations"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware: Mapped[str] = mapped_column(String(64), index=True)
+    device_kind: Mapped[str] = mapped_column(String(64))
+    device_count: Mapped[int]
+    source: Mapped[str] = mapped_column(String(16))  # "run" or "import"
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), unique=True)
+    digest: Mapped[str | None] = mapped_column(String(64), unique=True)
+    label: Mapped[str] = mapped_column(String(255))
+    finished: Mapped[bool] = mapped_column(Boolean)
+    spec: Mapped[dict[str, Any]]
+    model: Mapped[dict[str, Any]]
+    measured: Mapped[dict[str, Any]]
+    predicted: Mapped[dict[str, Any] | None]
+    calibration_id: Mapped[int | None] = mapped_column(ForeignKey("calibrations.id", ondelete="SET NULL"))
+    measured_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(String(128))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    excluded_at: Mapped[datetime | None]
+    excluded_by: Mapped[str | None] = mapped_column(String(128))
 
 
 class RunEvent(Base):

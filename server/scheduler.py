@@ -14,6 +14,7 @@ from typing import Protocol
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from locojax.contract import MESSAGE_SERIALIZER, START_HOST_TASK, host_queue
 from server.db import Database
 from server.models import utcnow
 from server.services import scheduling
@@ -30,16 +31,17 @@ class Dispatcher(Protocol):
 
 
 class CeleryDispatcher:
-    """Sends `start_host` to the queue of the host a message names."""
+    """Sends `start_host` to the queue of the host a message names. A sending client only: how the hosts
+    consume (acknowledgement, prefetch, redelivery) is their Celery app's (worker.app)."""
 
     def __init__(self, broker_url: str):
-        from worker.protocol import make_celery
+        from celery import Celery
 
-        self.app = make_celery(broker_url)
+        self.app = Celery("locojax", broker=broker_url, set_as_current=False)
+        # No result backend: outcomes are reported to the API, which records them in the database.
+        self.app.conf.update(task_serializer=MESSAGE_SERIALIZER, task_ignore_result=True)
 
     def send(self, message: StartMessage) -> None:
-        from worker.protocol import START_HOST_TASK, host_queue
-
         self.app.send_task(START_HOST_TASK, kwargs=message.task_kwargs(), queue=host_queue(message.host_name),
                            retry=True, retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5})
 

@@ -72,6 +72,10 @@ class RunPublic(_Out):
     finished_at: datetime | None
     last_checkpoint_step: int | None
     measured_step_s: float | None
+    hardware: str | None = Field(None, description="the hardware catalog profile of the hosts reserved for it")
+    predicted: dict[str, Any] | None = Field(None, description="what the placement model predicted for it there: "
+                                                               "step, phases and split seconds")
+    calibration_id: int | None = Field(None, description="the hardware calibration that prediction used")
     spec_digest: str
     spec: dict[str, Any]
 
@@ -274,8 +278,11 @@ def _bounded_info(value: dict[str, Any] | None) -> dict[str, Any] | None:
 class HostRegister(_In):
     name: HostName
     slice: str | None = Field(None, max_length=128)
-    device_kind: str = Field("cpu", min_length=1, max_length=64)
+    device_kind: str = Field("cpu", min_length=1, max_length=64,
+                             description="a hardware catalog name (GET /api/v1/catalog/hardware), e.g. tpu-v5e or "
+                                         "local-cpu, as `locojax worker` finds it; older workers send JAX's own name")
     device_count: int = Field(1, ge=0, le=4096)
+    device_memory_bytes: int | None = Field(None, ge=0, le=2**50, description="one device's memory, as JAX reports it")
     info: dict[str, Any] = Field(default_factory=dict, description="free-form facts: cores, versions, ... "
                                                                   "(at most 16 KiB as JSON)")
 
@@ -297,6 +304,8 @@ class HostPublic(BaseModel):
     slice: str | None
     device_kind: str
     device_count: int
+    device_memory_bytes: int | None = None
+    hardware: str | None = Field(None, description="the hardware catalog profile its device kind names, if any")
     status: HostLiveness = Field(description="derived from heartbeat age (and the reconciler's LOST mark)")
     heartbeat_age_s: float
     last_heartbeat: datetime
@@ -348,11 +357,87 @@ class DecisionPublic(_Out):
     measured_step_s: float | None
     measured_at: datetime | None
     measured_run_id: int | None
+    calibration_id: int | None = Field(None, description="the hardware calibration its options were priced with "
+                                                         "(null: the catalog's constants)")
 
 
 class DecisionsPublic(BaseModel):
     data: list[DecisionPublic]
     next_cursor: str | None = None
+
+
+# --- calibration ------------------------------------------------------------------------------------
+
+Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ObservationImport(_In):
+    """A run measured elsewhere, as `locojax.placement.calibration.observation_payload` reads it from a
+    `locojax train` run directory (what `locojax calibration import` sends)."""
+
+    label: str = Field(min_length=1, max_length=255, description="the run directory's name")
+    digest: Digest = Field(description="SHA-256 of its spec.yaml, metrics.jsonl and environment.json: importing "
+                                       "the same directory again returns the same observation")
+    hardware: str = Field(min_length=1, max_length=64, description="the catalog profile it measured")
+    device_kind: str = Field(min_length=1, max_length=64, description="JAX's name of its devices")
+    device_count: int = Field(ge=1, le=65536)
+    finished: bool = Field(description="its result.json says it succeeded")
+    spec: RunSpec
+    model: dict[str, Any] = Field(description="the ModelConfig fields of the model it trained")
+    measured: dict[str, Any] = Field(description="StepMeasurement: median step and phase seconds after warm-up, "
+                                                 "steady steps counted")
+
+
+class ObservationPublic(_Out):
+    id: int
+    hardware: str
+    device_kind: str
+    device_count: int
+    source: Literal["run", "import"]
+    run_id: int | None
+    label: str
+    finished: bool
+    spec: dict[str, Any]
+    model: dict[str, Any]
+    measured: dict[str, Any]
+    predicted: dict[str, Any] | None = Field(description="what the placement model predicted before it joined")
+    calibration_id: int | None = Field(description="the calibration that made that prediction")
+    rel_error: float | None = Field(None, description="(predicted - measured) / measured step time")
+    measured_at: datetime
+    created_at: datetime
+    created_by: str | None
+    excluded_at: datetime | None
+    excluded_by: str | None
+
+
+class ObservationsPublic(BaseModel):
+    data: list[ObservationPublic]
+    next_cursor: str | None = None
+
+
+class CalibrationPublic(_Out):
+    id: int
+    hardware: str
+    version: int
+    created_at: datetime
+    created_by: str | None
+    observation_ids: list[int]
+    constants: dict[str, Any]
+    fit_error: dict[str, Any]
+    profile: dict[str, Any]
+    active: bool
+    activated_at: datetime | None
+    activated_by: str | None
+
+
+class CalibrationsPublic(BaseModel):
+    data: list[CalibrationPublic]
+
+
+class ObservationImported(BaseModel):
+    observation: ObservationPublic
+    created: bool = Field(description="false: this run directory was imported before")
+    calibration: CalibrationPublic | None = Field(description="its hardware's active calibration, refitted with it")
 
 
 # --- catalog ----------------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ os.environ[SESSION_VARIABLE] = secrets.token_hex(8)
 SESSION_TMPDIR = Path("/tmp") / f"locojax-test-{os.environ[SESSION_VARIABLE]}"
 SESSION_TMPDIR.mkdir(mode=0o711)  # others may pass through (a private PostgreSQL runs as `postgres`), not list it
 os.environ["TMPDIR"] = str(SESSION_TMPDIR)
+# The engine's processes share compiled programs in a persistent cache (`locojax train --compilation-cache`,
+# default under the home directory); a test session keeps its own, removed with its folder, so nothing a
+# previous session compiled can make this one faster or different.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(SESSION_TMPDIR / "compilation-cache")
 
 
 def session_processes(fragment: str) -> list[int]:

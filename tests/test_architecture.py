@@ -4,6 +4,7 @@ what placement may import, and that the registries and the spec's published name
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -154,6 +155,44 @@ def test_every_mode_has_its_layout_cost_entry_and_published_name():
     assert sorted(MODES.get(n).cost_entry for n in placement_modes) == sorted(MODE_COSTS)
 
 
+@pytest.mark.parametrize("name, hosts", [("co", 1), ("co", 2), ("co", 4), ("sc", 1), ("sc", 2), ("sc", 4), ("da", 2),
+                                         ("da", 4), ("sft", 1)])
+def test_every_process_of_a_modes_layout_gets_a_command_line_the_cli_accepts(name, hosts):
+    """The host worker starts `locojax <mode.command(...)>` for each process of the layout: each line must
+    name a command of the CLI with options that command parses (click parses, nothing runs). Every
+    attempt carries its secret (server.services.scheduling)."""
+    import typer.main
+
+    from locojax.cli import app
+    from locojax.modes import MODES, EngineStart
+    from locojax.spec import PlacementSpec
+
+    mode = MODES.get(name)
+    layout = mode.layout(PlacementSpec.model_construct(mode=name, hosts=hosts, devices_per_host=2))
+    cli = typer.main.get_command(app)
+    for index, role in enumerate(layout.roles):
+        for options in ({}, {"resume": True, "reward_modules": ("a.b", "c"), "ray_address": "r:1",
+                             "compilation_cache": "/var/cache/locojax"}):
+            start = EngineStart(spec_path="spec.yaml", role=role, process_index=index, num_processes=len(layout.roles),
+                                devices_per_host=2, cancel_file="/c", secret_file="/s", node_address="10.0.0.2",
+                                coordinator="10.0.0.1:1234" if len(layout.roles) > 1 else None, **options)
+            argv = mode.command(start)
+            command = cli.get_command(None, argv[0])
+            assert command is not None, (name, role, argv)
+            command.make_context(argv[0], list(argv[1:]))  # raises on an option the command does not take
+            if options and argv[0] != "ray-node":  # every process that compiles shares the host's folder
+                assert argv[argv.index("--compilation-cache") + 1] == "/var/cache/locojax", argv
+
+
+def test_the_worker_asks_the_mode_what_each_process_runs():
+    """worker/ starts the command line a mode's `command` gives; it never branches on a mode's roles."""
+    found = [f"{path.relative_to(ROOT)}: imports {alias.name}" for path in sorted((ROOT / "worker").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.ImportFrom) and node.module == "locojax.modes"
+             for alias in node.names if alias.name.startswith("ROLE_")]
+    assert not found, "\n".join(found)
+
+
 def test_the_spec_names_exactly_what_the_algorithm_registries_hold():
     from locojax.algo import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES
     from locojax.spec import AlgoSpec
@@ -186,22 +225,150 @@ def test_the_web_layer_reads_and_writes_only_through_the_services():
     assert not found, "\n".join(found)
 
 
-def test_the_services_import_no_cycle():
-    """A service imports the services it builds on, never one that builds on it (also not inside a function)."""
-    services = ROOT / "server" / "services"
-    graph = {path.stem: {name.split(".")[2] for name in _imports(path) if name.startswith("server.services.")}
-             for path in services.glob("*.py")}
-    for path in services.glob("*.py"):  # `from server.services import a, b as c`
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        graph[path.stem] |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                             and node.module == "server.services" for alias in node.names}
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        return any(nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt}))
-                   for nxt in graph.get(start, ()))
 
-    cycles = sorted(name for name in graph if reaches(name, name, {name}))
-    assert not cycles, {name: sorted(graph[name]) for name in cycles}
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` that can run: all but the bodies of `if TYPE_CHECKING:` (annotations only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def module_imports(root: Path, package: str) -> dict[str, set[str]]:
+    """Each module of `package` (a directory under `root`) -> the package's modules it imports, counting
+    imports written inside functions, not those under `if TYPE_CHECKING:`. An import counts as the deepest
+    module it names (`from a.b import c`: `a.b.c` when that is a module, else `a.b`)."""
+    paths = {}
+    for path in (root / package).rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        own_package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = []
+        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importing module's package, `level - 1` packages up
+                    base = ".".join(own_package[:len(own_package) - node.level + 1] + ([base] if base else []))
+                targets += [f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names]
+        graph[name] = set()
+        for target in targets:
+            while target and target not in paths:  # `import a.b.c` of an attribute path, or another package
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that depend on each other in a loop: each strongly connected set of two or more
+    (Tarjan's algorithm), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == module:
+                    break
+            if len(members) > 1:
+                loops.append(sorted(members))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(loops)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_loop_in_a_package(package):
+    """A module imports only downward: when two modules need each other, the shared part moves down into
+    a third (STYLE 13). An import inside a function hides a loop from Python, not from this check."""
+    graph = module_imports(ROOT, package)
+    loops = import_loops(graph)
+    assert not loops, "\n".join(
+        "loop: " + "; ".join(f"{module} -> {', '.join(sorted(graph[module] & set(loop)))}" for module in loop)
+        for loop in loops)
+
+
+def test_the_loop_check_counts_imports_inside_functions_and_not_type_checking_ones(tmp_path):
+    files = {
+        "__init__.py": "",
+        "a.py": "from synth import b\n",
+        "b.py": "def late():\n    from synth.sub.c import helper\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from ..a import thing\n",  # closes synth.a -> synth.b -> synth.sub.c -> synth.a
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from synth import e\n",
+        "e.py": "import synth.d\n",  # d and e meet only in annotations: no loop
+        "f.py": "import jax.numpy\nfrom synth import sub\n",
+    }
+    for relative, text in files.items():
+        (tmp_path / "synth" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "synth" / relative).write_text(text)
+    graph = module_imports(tmp_path, "synth")
+    assert graph["synth.f"] == {"synth.sub"} and graph["synth.d"] == set() and graph["synth.e"] == {"synth.d"}
+    assert import_loops(graph) == [["synth.a", "synth.b", "synth.sub.c"]]
+
+
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def test_the_import_contracts_hold():
+    """pyproject.toml's [tool.importlinter] contracts: the worker is imported by none of the engine,
+    server and web; the engine imports neither of those; the engine's own layers."""
+    done = subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+
+
+def test_the_import_contracts_see_an_import_inside_a_function(tmp_path):
+    (tmp_path / "synth").mkdir()
+    (tmp_path / "synth" / "__init__.py").write_text("")
+    (tmp_path / "synth" / "high.py").write_text("from synth import low\n")
+    (tmp_path / "synth" / "low.py").write_text("def late():\n    from synth import high\n")
+    config = tmp_path / ".importlinter"
+    config.write_text("[importlinter]\nroot_package = synth\n\n[importlinter:contract:layers]\nname = layers\n"
+                      "type = layers\nlayers =\n    synth.high\n    synth.low\n")
+    done = subprocess.run([str(LINT_IMPORTS), "--no-cache", "--config", str(config)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "synth.low is not allowed to import synth.high" in done.stdout
+
+
+def test_modes_errors_come_from_their_shared_module():
+    """What a mode raises for the CLI lives in locojax/modes/errors.py: no part imports an error from a
+    mode's implementation file."""
+    found = [f"{path.relative_to(ROOT)}: {alias.name} from {node.module}"
+             for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("locojax.modes.")
+             and node.module != "locojax.modes.errors"
+             for alias in node.names if alias.name.endswith("Error")]
+    assert not found, "\n".join(found)
 
 
 # The one module of each part that reads the environment: the control plane's settings, and the host

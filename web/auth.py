@@ -78,6 +78,10 @@ class Viewer:
     def can_submit(self) -> bool:
         return bool(self.scopes & {"submit", "admin"})
 
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
+
     def may_act_on(self, run: Run) -> bool:
         """Cancel or resume `run`: the submit scope, then the API's ownership rule (issue 17)."""
         return self.can_submit and authorization.may_act_on_run(self.scopes, self.token_id, run)
@@ -290,8 +294,17 @@ def require_submit(viewer: Annotated[Viewer, Depends(current_viewer)],
     return viewer
 
 
+def require_admin(viewer: Annotated[Viewer, Depends(current_viewer)],
+                  _: Annotated[None, Depends(check_csrf)]) -> Viewer:
+    """A logged-in admin, on a request that carries the CSRF token (what the API's admin routes ask)."""
+    if not viewer.is_admin:
+        raise ForbiddenError("this needs a token with the 'admin' scope; log in with one", code="AUTH_FORBIDDEN")
+    return viewer
+
+
 ViewerDep = Annotated[Viewer, Depends(current_viewer)]
 SubmitterDep = Annotated[Viewer, Depends(require_submit)]
+AdminDep = Annotated[Viewer, Depends(require_admin)]
 WebSessionDep = Annotated[WebSession | None, Depends(current_session)]
 CsrfDep = Annotated[None, Depends(check_csrf)]
 

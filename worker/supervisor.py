@@ -40,7 +40,7 @@ from locojax.client import ApiClient, ApiClientError
 from locojax.contract import (CHECKPOINTS_DIR, CONTROL_DIR, EXIT_CANCELLED, EXIT_OK, METRICS_FILE,
                               METRICS_PROCESS_INDEX, TERMINAL_STATES, HostProcessStatus, RunStatus, host_index,
                               read_host_status, read_run_marker, run_dir_name, write_run_marker)
-from locojax.modes import ROLE_CO, ROLE_CONTROLLER, ROLE_ROLLOUT, ROLE_TRAIN, ROLE_WORKER, spec_mode
+from locojax.modes import EngineStart, spec_mode
 from locojax.spec import RunSpec, dump_spec
 
 log = logging.getLogger("locojax.worker")
@@ -67,6 +67,9 @@ class WorkerContext:
     report_deadline_s: float = 300.0  # how long a final report keeps being retried (API/database down)
     reward_modules: tuple[str, ...] = ()  # the operator's reward module prefixes, passed to every engine process
     ray_address: str = ""  # the operator's Ray cluster for DA runs; empty: a private one per run
+    # The operator's folder of compiled programs this host's runs share; empty: the engine's default
+    # (~/.locojax/compilation-cache of the worker's user). Never a spec's choice.
+    compilation_cache: str = ""
     engine_env: dict[str, str] = dataclasses.field(default_factory=dict)  # see engine_environment
     runs_root: Path = Path("runs")  # the only directory engine processes of this host write under
 
@@ -306,11 +309,11 @@ class HostSupervisor:
                      if row["process_index"] == self.index), None)
         if mine is None or mine["host_name"] != self.ctx.host_name or mine["pid"] is not None:
             return "duplicate"  # a resent message for a process that is already started (or not ours)
-        refusal = self.check_run_directory(run) or check_write_paths(run["spec"])
+        spec = RunSpec.model_validate({**run["spec"], "output_dir": str(self.out)})
+        refusal = self.check_run_directory(run) or check_write_paths(run["spec"]) or self.check_process(spec)
         if refusal is not None:
             self.report(HostProcessStatus.FAILED, final=True, reason=refusal, exit_code=None, ended_at=now_utc().isoformat())
             return "refused"
-        spec = RunSpec.model_validate({**run["spec"], "output_dir": str(self.out)})
         write_run_marker(self.out, self.run_id)
         self.cancel_file.unlink(missing_ok=True)
         spec_path = self.control / f"spec-attempt{self.attempt}-host{self.index}.yaml"
@@ -376,35 +379,23 @@ class HostSupervisor:
             time.sleep(0.2)
 
     def command(self, spec: RunSpec, spec_path: Path, coordinator: str | None) -> list[str]:
-        common = ["--quiet", "--cancel-file", str(self.cancel_file)] + (["--resume"] if self.resume else [])
-        if self.ctx.reward_modules:
-            common += ["--reward-modules", ",".join(self.ctx.reward_modules)]
-        secret = ["--secret-file", str(self.secret_file)] if self.secret else []
-        if self.role == ROLE_CO:
-            command = [sys.executable, "-m", "locojax.cli", "host", str(spec_path), "--process-id", str(self.index),
-                       "--num-processes", str(self.num_processes),
-                       "--devices-per-host", str(spec.placement.devices_per_host)]
-            if coordinator:
-                command += ["--coordinator", coordinator]
-            return command + common
-        if self.role == ROLE_WORKER:
-            # An SC worker connects to its run's controller (process 0's published address); it scores
-            # nothing and watches no cancel file: the controller decides both.
-            assert coordinator is not None
-            return [sys.executable, "-m", "locojax.cli", "sc-worker", str(spec_path), "--controller", coordinator,
-                    "--process-id", str(self.index), "--devices-per-host", str(spec.placement.devices_per_host),
-                    "--quiet"] + secret + (["--resume"] if self.resume else [])
-        ray = ["--ray-address", self.ctx.ray_address] if self.ctx.ray_address and spec_mode(spec).uses_ray else []
-        if self.role in (ROLE_ROLLOUT, ROLE_TRAIN):
-            # A DA host's Ray node joins the head its run's driver (process 0) started where it published
-            # itself, and advertises this worker's address; the driver decides when it ends.
-            assert coordinator is not None
-            return [sys.executable, "-m", "locojax.cli", "ray-node", str(spec_path), "--head", coordinator,
-                    "--node-address", self.ctx.address, "--process-id", str(self.index)] + ray + secret
-        # A controller of a multi-process run listens where it published itself (SC: for its workers; DA:
-        # its Ray head, which the other hosts' nodes join).
-        listen = ["--listen", coordinator] if coordinator and self.role == ROLE_CONTROLLER else []
-        return [sys.executable, "-m", "locojax.cli", "train", str(spec_path)] + ray + listen + secret + common
+        """This process's command line, as the run's mode lays it out for its role."""
+        start = EngineStart(
+            spec_path=str(spec_path), role=self.role, process_index=self.index, num_processes=self.num_processes,
+            devices_per_host=spec.placement.devices_per_host, cancel_file=str(self.cancel_file),
+            coordinator=coordinator, resume=self.resume, reward_modules=self.ctx.reward_modules,
+            secret_file=str(self.secret_file) if self.secret else None, ray_address=self.ctx.ray_address,
+            node_address=self.ctx.address, compilation_cache=self.ctx.compilation_cache)
+        return [sys.executable, "-m", "locojax.cli", *spec_mode(spec).command(start)]
+
+    def check_process(self, spec: RunSpec) -> str | None:
+        """The host's own check that the message names a process of its run's layout, in that process's
+        role (the role decides the command line). Returns why not, or None."""
+        roles = spec_mode(spec).layout(spec.placement).roles
+        if self.num_processes != len(roles) or not 0 <= self.index < len(roles) or roles[self.index] != self.role:
+            return (f"process {self.index} of {self.num_processes} in role {self.role!r} is not in this run's layout "
+                    f"(its processes' roles: {', '.join(roles)})")
+        return None
 
     def supervise(self, spec: RunSpec) -> str:
         assert self.process is not None and self.process.stdout is not None

@@ -75,7 +75,7 @@ def state_shardings(state: nnx.State, mesh: Mesh,
 
     def sharding_of(variable: nnx.Variable):
         axes = variable.get_metadata().get("axes")
-        value = variable[...]
+        value = variable.get_value()  # an array, or a ShapeDtypeStruct of an abstract state
         spec = logical_to_spec(axes, value.shape, mesh, rules) if axes else PartitionSpec()
         return variable.replace(NamedSharding(mesh, spec))
 

@@ -3,7 +3,8 @@
 A `ModeDef` carries everything the rest of the system needs to know about a mode:
   * its session (setup + step, run by the one loop of `locojax.runner`), named "module:Class" and
     imported on use, so this module stays jax-free: the scheduler, the worker and the web import it;
-  * its process layout: how many hosts a run reserves and which engine processes start on them;
+  * its process layout: how many hosts a run reserves and which engine processes start on them, and
+    the `locojax` command line each of those processes runs (`command`, which the host worker asks);
   * how the CLI runs it in one process (devices that process owns, whether `locojax train` starts
     local host processes instead, whether it takes an operator's Ray cluster);
   * its spec validation (`validate`, called by RunSpec, so the CLI and the API refuse alike);
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from locojax.registry import Registry
 
 if TYPE_CHECKING:  # RunSpec validation calls into here; the spec module imports this one
-    from locojax.contract import RunResult
     from locojax.spec import PlacementSpec, RunSpec
 
 # Roles of engine processes, as the control plane records them (server.models.HostRole has the values).
@@ -53,6 +53,26 @@ class ProcessLayout:
             raise ValueError(f"process layout {self.roles} on {self.host_of} does not fit {self.hosts} host(s)")
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStart:
+    """What a host worker knows when it starts one engine process of a run (process `process_index` of
+    `num_processes`, in the role the run's layout gave it); a mode's `command` makes its command line."""
+
+    spec_path: str
+    role: str
+    process_index: int
+    num_processes: int
+    devices_per_host: int
+    cancel_file: str
+    coordinator: str | None = None  # the ADDR:PORT process 0 published; None in a run of one process
+    resume: bool = False
+    reward_modules: tuple[str, ...] = ()  # the operator's reward module prefixes
+    secret_file: str | None = None  # the attempt's shared secret, a file only its user can read
+    ray_address: str = ""  # the worker's operator Ray cluster; empty: none
+    node_address: str = ""  # where the run's other hosts reach this one
+    compilation_cache: str = ""  # the operator's compiled-program folder for the host; empty: the engine's default
+
+
 def _no_placement_checks(placement: "PlacementSpec") -> str | None:
     return None
 
@@ -73,6 +93,9 @@ class ModeDef:
     layout: Callable[["PlacementSpec"], ProcessLayout]
     # Devices the one process of `locojax train` owns (a multi-process mode counts one host's).
     local_devices: Callable[["PlacementSpec"], int]
+    # The `locojax` subcommand and options a process of this mode's layout runs (the host worker starts
+    # `python -m locojax.cli` with them).
+    command: Callable[[EngineStart], list[str]]
     cost_entry: str | None = None  # its entry in locojax.placement.cost_model.MODE_COSTS; None: not costed
     # Mode-specific checks, each giving an error message or None: of the placement block alone (the
     # error names `placement`) and of the whole spec (after the placement's).
@@ -106,13 +129,6 @@ def spec_mode(spec: "RunSpec") -> ModeDef:
     return mode_for(spec.kind, spec.placement.mode)
 
 
-def run_mode(spec: "RunSpec", **options) -> "RunResult":
-    """Run `spec` in this process under its mode, through the one run loop."""
-    from locojax.runner import run
-
-    return run(spec, spec_mode(spec).session_class(), **options)
-
-
 def isolate_network(spec: "RunSpec", ray_address: str | None, head: str | None = None) -> None:
     """A run of a Ray mode that starts its own Ray re-executes itself first, since Ray 2.60 listens on
     every interface: a private Ray in a private network namespace (locojax.private_network); a DA
@@ -123,7 +139,7 @@ def isolate_network(spec: "RunSpec", ray_address: str | None, head: str | None =
         return
     if head:
         from locojax.bind_address import reexecute_bound_to
-        from locojax.modes.da_cluster import split_address
+        from locojax.link import split_address
 
         reexecute_bound_to(split_address(head)[0])
     else:
@@ -172,6 +188,59 @@ def _da_driver_and_a_ray_node_per_host(placement: "PlacementSpec") -> ProcessLay
         ROLE_TRAIN if host < train_hosts else ROLE_ROLLOUT for host in range(1, placement.hosts)))
 
 
+def _engine_options(start: EngineStart) -> list[str]:
+    """A process that decides its own steps: quiet, its cancel file, resume, the operator's reward modules
+    and compilation cache."""
+    options = ["--quiet", "--cancel-file", start.cancel_file] + (["--resume"] if start.resume else [])
+    options += ["--reward-modules", ",".join(start.reward_modules)] if start.reward_modules else []
+    return options + _cache_option(start)
+
+
+def _cache_option(start: EngineStart) -> list[str]:
+    return ["--compilation-cache", start.compilation_cache] if start.compilation_cache else []
+
+
+def _secret_option(start: EngineStart) -> list[str]:
+    return ["--secret-file", start.secret_file] if start.secret_file else []
+
+
+def _controller_command(start: EngineStart, ray: Sequence[str] = ()) -> list[str]:
+    # A controller of a multi-process run listens where it published itself (SC: for its workers; DA:
+    # its Ray head, which the other hosts' nodes join).
+    listen = ["--listen", start.coordinator] if start.coordinator else []
+    return ["train", start.spec_path, *ray, *listen, *_secret_option(start), *_engine_options(start)]
+
+
+def _co_command(start: EngineStart) -> list[str]:
+    command = ["host", start.spec_path, "--process-id", str(start.process_index), "--num-processes",
+               str(start.num_processes), "--devices-per-host", str(start.devices_per_host)]
+    if start.coordinator:
+        command += ["--coordinator", start.coordinator]
+    return command + _engine_options(start)
+
+
+def _sc_command(start: EngineStart) -> list[str]:
+    if start.role == ROLE_CONTROLLER:
+        return _controller_command(start)
+    # An SC worker connects to its run's controller (process 0's published address); it scores nothing
+    # and watches no cancel file: the controller decides both.
+    assert start.coordinator is not None
+    return ["sc-worker", start.spec_path, "--controller", start.coordinator, "--process-id", str(start.process_index),
+            "--devices-per-host", str(start.devices_per_host), "--quiet", *_secret_option(start),
+            *(["--resume"] if start.resume else []), *_cache_option(start)]
+
+
+def _da_command(start: EngineStart) -> list[str]:
+    ray = ["--ray-address", start.ray_address] if start.ray_address else []
+    if start.role == ROLE_CONTROLLER:
+        return _controller_command(start, ray)
+    # A DA host's Ray node joins the head its run's driver (process 0) started where it published
+    # itself, and advertises this worker's address; the driver decides when it ends.
+    assert start.coordinator is not None
+    return ["ray-node", start.spec_path, "--head", start.coordinator, "--node-address", start.node_address,
+            "--process-id", str(start.process_index), *ray, *_secret_option(start)]
+
+
 def _check_da_placement(placement: "PlacementSpec") -> str | None:
     if placement.hosts < 2:
         return "placement.hosts must be at least 2 in DA mode (one rollout and one train host)"
@@ -197,15 +266,18 @@ def _check_sft(spec: "RunSpec") -> str | None:
 
 MODES.register("co")(ModeDef(
     "co", "colocated: every host samples, scores and trains its own prompts; one SPMD train step",
-    "locojax.modes.co:COSession", _one_process_on_every_host, _one_host, cost_entry="co",
+    "locojax.modes.co:COSession", _one_process_on_every_host, _one_host, command=_co_command, cost_entry="co",
     multi_process=True, evaluates=True))
 MODES.register("sc")(ModeDef(
     "sc", "single controller: one process dispatches every host's work and gathers every rollout",
-    "locojax.modes.sc:SCSession", _controller_and_a_worker_per_host, _no_devices, cost_entry="sc"))
+    "locojax.modes.sc:SCSession", _controller_and_a_worker_per_host, _no_devices, command=_sc_command,
+    cost_entry="sc"))
 MODES.register("da")(ModeDef(
     "da", "disaggregated: rollout and train host groups as Ray actors, overlapped (staleness <= 1)",
-    "locojax.modes.da:DASession", _da_driver_and_a_ray_node_per_host, _every_host_in_one_process, cost_entry="da",
-    validate_placement=_check_da_placement, rollout_hosts=_da_rollout_hosts, rollout_groups=True, uses_ray=True))
+    "locojax.modes.da:DASession", _da_driver_and_a_ray_node_per_host, _every_host_in_one_process,
+    command=_da_command, cost_entry="da", validate_placement=_check_da_placement, rollout_hosts=_da_rollout_hosts,
+    rollout_groups=True, uses_ray=True))
 MODES.register("sft")(ModeDef(
     "sft", "supervised warm start: teacher-forced updates on the task's reference answers, one host",
-    "locojax.modes.sft:SFTSession", _controller_on_first_host, _one_host, validate=_check_sft, samples=False))
+    "locojax.modes.sft:SFTSession", _controller_on_first_host, _one_host, command=_controller_command,
+    validate=_check_sft, samples=False))

@@ -8,6 +8,12 @@ Every host runs this same loop as its own Python process (multi-controller). Per
   5. contributes its rows to the global batch (`jax.make_array_from_process_local_data`) for one
      jitted SPMD train step on the global mesh, whose gradient all-reduce is the only collective;
   6. reports metrics (gathered so host 0 writes per-host and aggregate records) and checkpoints.
+The chip is kept fed (STYLE habit 14): rollout results stay on the devices and become the train rows
+there (only the tokens travel to the host, for scoring, and the advantages back); with a KL term the
+reference pass runs on the chip while the host scores; and right after the update is dispatched, the
+next step's rollout is queued behind it, so the chip decodes while the host logs this step and starts
+the next. The next step's `time/rollout` therefore counts only the part of its rollout that was not
+yet done when that step began.
 With an eval block, steps it names start with a held-out evaluation (locojax.evaluate), outside the
 step's timers: each host evaluates its shard, and the counts travel in the step's metrics gather;
 one more evaluation follows the last step, recorded at step = steps.
@@ -17,19 +23,20 @@ With one process there is no `jax.distributed` at all; the same code runs on the
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from locojax import metrics as m
 from locojax.contract import CHECKSUM_KEY, HostStatus, RunResult
 from locojax.evaluate import Evaluator, eval_rewards, evaluation_due
 from locojax.modes.common import (
-    HostRollout,
+    DispatchedRollout,
     RolloutRunner,
     TrainerSession,
     params_checksum,
     prepare_trainer,
     prompts_for,
     reward_pool,
+    rollout_metrics,
+    rollout_rows,
     score_and_normalise,
     to_local,
     train_temperature,
@@ -38,7 +45,7 @@ from locojax.rollout import rollout_key
 from locojax.runner import StepOutput, checkpoint_dir, checksum_due, run
 from locojax.spec import RunSpec
 from locojax.tasks import host_slice
-from locojax.train import make_logprobs_fn
+from locojax.train import reference_logprobs_fn
 
 
 class COSession(TrainerSession):
@@ -49,7 +56,8 @@ class COSession(TrainerSession):
         if spec.rollout.prompts_per_step % num_hosts:
             raise ValueError(f"rollout.prompts_per_step ({spec.rollout.prompts_per_step}) is not divisible by the "
                              f"{num_hosts} hosts of this job")
-        super().__init__(spec, prepare_trainer(spec, jax.devices(), checkpoint_dir(spec), resume))
+        super().__init__(spec, prepare_trainer(spec, jax.devices(), checkpoint_dir(spec), resume,
+                                               rollout_devices=jax.local_devices()))
         self.host, self.num_hosts = host, num_hosts
         prompts_per_host = spec.rollout.prompts_per_step // num_hosts
         self.rows_per_host = prompts_per_host * spec.rollout.group_size
@@ -57,13 +65,16 @@ class COSession(TrainerSession):
         self.use_kl = spec.algo.kl_coef > 0
         if self.use_kl:  # the frozen reference is the starting policy (not a restored one), kept host-locally
             self.reference_params = to_local(self.trainer.reference_params, self.runner.replicated)
-            self.reference_logprobs = make_logprobs_fn(self.trainer.policy.graphdef, train_temperature(spec))
+            self.reference_logprobs = reference_logprobs_fn(self.trainer.policy.graphdef, train_temperature(spec))
         self.evaluator = None
         if spec.eval is not None:
             first, shard = host_slice(self.trainer.held_out, host, num_hosts)
             self.evaluator = Evaluator(spec, spec.eval, self.trainer.policy, shard,
                                        eval_rewards(spec.eval, self.trainer.task), first, jax.local_devices())
         self.pool = reward_pool()
+        # A rollout dispatched at the end of the previous step (`_prefetch_rollout`), and its step.
+        self._next_rollout: DispatchedRollout | None = None
+        self._next_rollout_step: int | None = None
 
     def evaluate(self, step: int, where: HostStatus) -> dict[str, float]:
         if self.evaluator is None or not evaluation_due(self.spec.eval, step):
@@ -75,31 +86,50 @@ class COSession(TrainerSession):
         spec, trainer = self.spec, self.trainer
         where(step, "rollout")
         with timer.phase(m.TIME_ROLLOUT):
-            examples = prompts_for(trainer.task, spec, step, self.host, self.num_hosts)
+            rollout = self._next_rollout if self._next_rollout_step == step else self._dispatch_rollout(step)
+            self._next_rollout = self._next_rollout_step = None
+            # Queued behind the rollout on the chip: the train rows stay there, and the reference pass runs
+            # while the host scores rewards below.
+            rows = rollout_rows(rollout.device_prompt_tokens, rollout.device_prompt_mask, rollout.result)
+            if self.use_kl:
+                rows["ref_logprobs"] = self.reference_logprobs(
+                    self.reference_params, rows["tokens"], rows["prompt_mask"], rows["completion_mask"])
             with timer.device() as span:
-                local_params = to_local(trainer.state.params, self.runner.replicated)
-                tokens, mask, result = self.runner.sample(
-                    local_params, examples, rollout_key(spec.seed, step), self.host * self.rows_per_host)
-                span.ready(result)
-            completions = self.runner.completions(result)
+                # One transfer of what the host needs: the texts to score and the metrics.
+                tokens, lengths, mask = span.ready(jax.device_get(
+                    (rollout.result.tokens, rollout.result.lengths, rollout.result.mask)))
+            completions = self.runner.texts(tokens, lengths)
         rollout_s = timer.last_phase(m.TIME_ROLLOUT)
         where(step, "reward")
-        rewards, per_fn, advantages = score_and_normalise(spec, trainer.task, examples, completions, self.pool, timer)
-        piece = HostRollout(examples, tokens, mask, result, completions, rewards, per_fn, advantages)
-        rows = piece.batch()
+        rewards, per_fn, advantages = score_and_normalise(
+            spec, trainer.task, rollout.examples, completions, self.pool, timer)
         where(step, "train")
-        if self.use_kl:
-            with timer.device(m.TIME_TRAIN) as span:
-                rows["ref_logprobs"] = np.asarray(span.ready(self.reference_logprobs(
-                    self.reference_params, rows["tokens"], rows["prompt_mask"], rows["completion_mask"])))
         with timer.device(m.TIME_TRAIN) as span:
-            trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch(rows))
+            rows["advantages"] = jax.device_put(advantages, self.runner.batch_sharding)
+            trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch_from_device(rows))
+            # The next step's rollout goes in the chip's queue now, so it starts as soon as this update
+            # is done, while this host logs the step and the next one begins.
+            self._prefetch_rollout(step + 1)
             span.ready(trainer.state)
-        record = {**piece.metrics(spec.rollout.group_size, rollout_s, trainer.policy.tokenizer.eos_id),
+        record = {**rollout_metrics(tokens, mask, rewards, per_fn, spec.rollout.group_size, rollout_s,
+                                    trainer.policy.tokenizer.eos_id),
                   **train_metrics}
         if checksum_due(spec, step):
             record[CHECKSUM_KEY] = params_checksum(trainer.state.params)
-        return StepOutput(record, int(rows["prompt_mask"].sum() + rows["completion_mask"].sum()))
+        return StepOutput(record, int(rollout.prompt_mask.sum() + mask.sum()))
+
+    def _dispatch_rollout(self, step: int) -> DispatchedRollout:
+        examples = prompts_for(self.trainer.task, self.spec, step, self.host, self.num_hosts)
+        local_params = to_local(self.trainer.state.params, self.runner.replicated)
+        return self.runner.dispatch(local_params, examples, rollout_key(self.spec.seed, step),
+                                    self.host * self.rows_per_host)
+
+    def _prefetch_rollout(self, step: int) -> None:
+        """Dispatch step `step`'s rollout ahead, from the params just updated, unless the run ends first
+        or an evaluation comes before that step (it reads the same params, but keeps its own timing)."""
+        if step >= self.spec.steps or (self.spec.eval is not None and evaluation_due(self.spec.eval, step)):
+            return
+        self._next_rollout, self._next_rollout_step = self._dispatch_rollout(step), step
 
     def gather(self, record):
         return m.gather_host_metrics(record)

@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,19 +30,22 @@ from locojax.rollout import (
     decode_completions,
     encode_prompts,
     make_generate_fn,
+    rollout_key,
     rollout_mesh,
 )
 from locojax.contract import EngineStatus, HostStatus
 from locojax.modes import spec_mode
-from locojax.policy import Policy, host_copy, load_policy, sampling_config, to_local  # noqa: F401  (the modes' imports)
+from locojax.policy import Policy, abstract_policy, host_copy, load_policy, sampling_config, to_local  # noqa: F401  (the modes' imports)
 from locojax.runner import ModeSession
 from locojax.spec import RunSpec
 from locojax.tasks import Example, Task, host_shard, repeat_examples, reward_names
 from locojax.checkpoint import Checkpointer
-from locojax.model.sharding import batch_sharding, make_mesh, shard_state
-from locojax.placement.memory import check_spec_fits
+from locojax.model.sharding import batch_sharding, make_mesh, shard_state, state_shardings
+from locojax.compiled_plan import compiled_plan
+from locojax.placement.memory import MemoryPlan, MemoryPlanError, MeshShape, check_spec_fits, refusal
 from locojax.tasks import load_task_data
 from locojax.train import (
+    reference_logprobs_fn,
     TrainState,
     init_train_state,
     make_optimizer,
@@ -78,12 +82,38 @@ class HostRollout:
         return out
 
     def metrics(self, group_size: int, rollout_s: float, eos_id: int | None) -> dict[str, float]:
-        mask = np.asarray(self.result.mask)
-        finished = ((np.asarray(self.result.tokens) == eos_id) & mask).any(axis=1)
-        out = {**m.reward_metrics(self.rewards, group_size, self.per_fn),
-               **m.completion_metrics(mask, finished)}
-        out[m.THROUGHPUT_ROLLOUT_TOKENS] = m.throughput(mask.sum(), rollout_s)
-        return out
+        return rollout_metrics(np.asarray(self.result.tokens), np.asarray(self.result.mask), self.rewards,
+                               self.per_fn, group_size, rollout_s, eos_id)
+
+
+def rollout_metrics(tokens: np.ndarray, mask: np.ndarray, rewards: np.ndarray, per_fn: dict[str, np.ndarray],
+                    group_size: int, rollout_s: float, eos_id: int | None) -> dict[str, float]:
+    """Reward, completion and rollout-throughput metrics of one host's rollout (host arrays [b, N])."""
+    finished = ((tokens == eos_id) & mask).any(axis=1)
+    out = {**m.reward_metrics(rewards, group_size, per_fn), **m.completion_metrics(mask, finished)}
+    out[m.THROUGHPUT_ROLLOUT_TOKENS] = m.throughput(mask.sum(), rollout_s)
+    return out
+
+
+@dataclasses.dataclass
+class DispatchedRollout:
+    """One host's rollout as dispatched: its prompts (host copies for the metrics, device copies for the
+    train batch) and the device result, possibly still being computed."""
+
+    examples: list[Example]  # [b] prompts repeated G times
+    prompt_tokens: np.ndarray  # [b, P] int32
+    prompt_mask: np.ndarray  # [b, P] bool
+    device_prompt_tokens: jax.Array  # the same on the rollout mesh
+    device_prompt_mask: jax.Array
+    result: RolloutResult  # device arrays [b, N]
+
+
+@jax.jit
+def rollout_rows(prompt_tokens: jax.Array, prompt_mask: jax.Array, result: RolloutResult) -> dict[str, jax.Array]:
+    """The train-step batch layout of `locojax.train` for a rollout's rows, built where the rollout is
+    (advantages come later, from the host): no round trip of tokens and log-probs through host memory."""
+    return {"tokens": jnp.concatenate([prompt_tokens, result.tokens], axis=1), "prompt_mask": prompt_mask,
+            "completion_mask": result.mask, "old_logprobs": result.logprobs}
 
 
 REWARD_THREADS = 4  # reward functions run on the host CPU, in this many threads per scoring process
@@ -106,6 +136,7 @@ class RolloutRunner:
         self.devices = tuple(devices)
         self.mesh = rollout_mesh(self.batch_size, self.devices)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.generate = make_generate_fn(policy.config, policy.graphdef, self.sampling, self.prompt_len,
                                          self.batch_size, self.devices)
 
@@ -115,8 +146,20 @@ class RolloutRunner:
         tokens, mask = encode_prompts([e.prompt for e in examples], self.policy.tokenizer, self.prompt_len)
         return tokens, mask, self.generate(params_local, tokens, mask, key, row_offset)
 
+    def dispatch(self, params_local: nnx.State, examples: Sequence[Example], key: jax.Array,
+                 row_offset: int) -> DispatchedRollout:
+        """`sample`, keeping the prompts' device copies for the train batch (`rollout_rows`)."""
+        tokens, mask = encode_prompts([e.prompt for e in examples], self.policy.tokenizer, self.prompt_len)
+        device_tokens, device_mask = jax.device_put((tokens, mask), self.batch_sharding)
+        result = self.generate(params_local, device_tokens, device_mask, key, row_offset)
+        return DispatchedRollout(list(examples), tokens, mask, device_tokens, device_mask, result)
+
     def completions(self, result: RolloutResult) -> list[str]:
         return decode_completions(result, self.policy.tokenizer)
+
+    def texts(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+        """Completion texts from host copies of a result's tokens and lengths."""
+        return [self.policy.tokenizer.decode(row[:length]) for row, length in zip(tokens, lengths)]
 
 
 def prompts_for(task: Task, spec: RunSpec, step: int, host: int, num_hosts: int) -> list[Example]:
@@ -219,6 +262,14 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(batch_sharding(self.mesh, v.ndim), v)
                 for k, v in host_rows.items()}
 
+    def global_batch_from_device(self, local_rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """`global_batch` of rows already on this host's devices. With one process they move device to
+        device onto the train mesh (nothing when already placed); across processes they go through host
+        memory, as `jax.make_array_from_process_local_data` takes this process's rows from there."""
+        if jax.process_count() > 1:
+            return self.global_batch(jax.device_get(local_rows))
+        return {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in local_rows.items()}
+
     def checkpoint(self, spec: RunSpec, force: bool = False) -> None:
         self.checkpoints.save(self.state, {"run": spec.name}, force=force)
 
@@ -242,18 +293,31 @@ class TrainerSession(ModeSession):
         self.trainer.checkpoints.close()
 
 
-def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir: Path, resume: bool) -> Trainer:
+def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir: Path, resume: bool,
+                    rollout_devices: Sequence[jax.Device] | None = None) -> Trainer:
     """Policy, task, optimizer and a TrainState on the spec's data x fsdp x tensor mesh of `devices`
     (params and AdamW moments sharded per the logical-axis rules), after the memory plan says it fits;
     restored from the latest checkpoint when `resume` and one exists. The step function is the GRPO
-    step, or the SFT step (one update per step) for `kind: sft`."""
-    samples = spec_mode(spec).samples  # False: SFT, trained on the task's reference answers
-    # Refuse before the first parameter exists (this host's share of `devices`).
-    check_spec_fits(spec, [d for d in devices if d.process_index == jax.process_index()], jax.process_count(),
-                    samples=samples)
-    policy = load_policy(spec)
+    step, or the SFT step (one update per step) for `kind: sft`.
+
+    The plan is checked before the first parameter exists (this host's share of `devices`): on CPU the
+    analytic one; on an accelerator the compiled one (`locojax.compiled_plan`), for which the train step
+    (and, given `rollout_devices`, the devices this process decodes on, rollout) is compiled from
+    abstract shapes first, and the run then reuses what was compiled."""
+    mode = spec_mode(spec)
+    samples = mode.samples  # False: SFT, trained on the task's reference answers
+    local = [d for d in devices if d.process_index == jax.process_index()]
     mesh = make_mesh(devices, fsdp=spec.placement.fsdp, tensor=spec.placement.tensor)
     optimizer = make_optimizer(spec.optim, spec.steps, spec.algo.num_iterations if samples else 1)
+    if not plans_by_compiling(local[0].platform):
+        check_spec_fits(spec, local, jax.process_count(), samples=samples)
+        policy = load_policy(spec)
+        train_step = _train_step(spec, policy.graphdef, optimizer, mesh, samples)
+    else:
+        shapes = abstract_policy(spec)
+        train_step = _train_step(spec, shapes.graphdef, optimizer, mesh, samples)
+        check_compiled_plan(spec, shapes, optimizer, mesh, train_step, local, rollout_devices)
+        policy = load_policy(spec)
     state = init_train_state(shard_state(policy.params, mesh), optimizer, seed=spec.seed)
     state = jax.device_put(state, train_state_shardings(state, optimizer, mesh))
     # A copy: the train step donates the state's buffers.
@@ -266,15 +330,78 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
         if restored is not None:
             state = restored[0]
             start_step = int(jax.device_get(state.step))
-    if not samples:
-        train_step = make_sft_step(policy.graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size, mesh=mesh,
-                                   remat=spec.model.remat)
-    else:
-        train_step = make_train_step(policy.graphdef, optimizer, spec.algo, temperature=train_temperature(spec),
-                                     mesh=mesh, remat=spec.model.remat)
     data = load_task_data(spec.task, spec.eval)
     return Trainer(policy, data.train, mesh, state, train_step, checkpoints, start_step, reference_params,
                    data.held_out)
+
+
+def plans_by_compiling(platform: str) -> bool:
+    """Whether a run on `platform` takes its memory plan from its compiled programs: on accelerators. On
+    CPU the analytic plan is the calibrated one (bench/scale.py: peak RSS 1.00 of it) and also covers the
+    process's runtime, which no program's memory analysis sees."""
+    return platform != "cpu"
+
+
+def _train_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer, mesh: jax.sharding.Mesh, samples: bool):
+    if not samples:
+        return make_sft_step(graphdef, optimizer, micro_batch_size=spec.algo.micro_batch_size, mesh=mesh,
+                             remat=spec.model.remat)
+    return make_train_step(graphdef, optimizer, spec.algo, temperature=train_temperature(spec), mesh=mesh,
+                           remat=spec.model.remat)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree, shardings)
+
+
+def check_compiled_plan(spec: RunSpec, shapes: Policy, optimizer, mesh: jax.sharding.Mesh, train_step,
+                        local: Sequence[jax.Device], rollout_devices: Sequence[jax.Device] | None) -> MemoryPlan:
+    """Print the compiled plan (stderr) and raise `MemoryPlanError` when it does not fit; see `prepare_trainer`.
+    The abstract inputs are the ones the run's calls will carry (shapes, dtypes, shardings), so the
+    programs compiled here are the ones the run uses."""
+    samples = spec_mode(spec).samples
+    params = _abstract(shapes.params, state_shardings(shapes.params, mesh))
+    state = jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=spec.seed), params)
+    state = _abstract(state, train_state_shardings(state.replace(params=params), optimizer, mesh))
+    rows = spec.rollout.prompts_per_step * (spec.rollout.group_size if samples else 1)
+    prompt_len, new_len = spec.rollout.max_prompt_tokens, spec.rollout.max_new_tokens
+    layout = {"tokens": ((rows, prompt_len + new_len), jnp.int32), "prompt_mask": ((rows, prompt_len), jnp.bool_),
+              "completion_mask": ((rows, new_len), jnp.bool_)}
+    if samples:
+        layout.update(old_logprobs=((rows, new_len), jnp.float32), advantages=((rows,), jnp.float32))
+        if spec.algo.kl_coef > 0:
+            layout["ref_logprobs"] = ((rows, new_len), jnp.float32)
+    batch = {key: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+             for key, (shape, dtype) in layout.items()}
+    rollout = reference = rollout_params = reference_params = None
+    if samples and rollout_devices is not None:
+        host_rows = rows // spec_mode(spec).rollout_hosts(spec.placement)
+        sampling = sampling_config(spec, shapes.tokenizer)
+        generate = make_generate_fn(shapes.config, shapes.graphdef, sampling, prompt_len, host_rows,
+                                    tuple(rollout_devices))
+        rollout_mesh_ = generate.batch_sharding.mesh
+        replicated = NamedSharding(rollout_mesh_, PartitionSpec())
+        local_params = _abstract(shapes.params, jax.tree.map(lambda _: replicated, shapes.params))
+        prompts = jax.ShapeDtypeStruct((host_rows, prompt_len), jnp.int32, sharding=generate.batch_sharding)
+        prompt_mask = jax.ShapeDtypeStruct((host_rows, prompt_len), jnp.bool_, sharding=generate.batch_sharding)
+        key = jax.eval_shape(lambda: rollout_key(spec.seed, 0))
+        rollout = (generate.jitted, (local_params, prompts, prompt_mask, key, jax.ShapeDtypeStruct((), jnp.int32)))
+        rollout_params = local_params if spec.placement.fsdp * spec.placement.tensor > 1 else None
+        if spec.algo.kl_coef > 0:
+            sequences = jax.ShapeDtypeStruct((host_rows, prompt_len + new_len), jnp.int32,
+                                             sharding=generate.batch_sharding)
+            completion = jax.ShapeDtypeStruct((host_rows, new_len), jnp.bool_, sharding=generate.batch_sharding)
+            reference = (reference_logprobs_fn(shapes.graphdef, train_temperature(spec)),
+                         (local_params, sequences, prompt_mask, completion))
+            reference_params = local_params
+    plan = compiled_plan(train_step=train_step, abstract_state=state, abstract_batch=batch, devices=local,
+                         mesh=MeshShape(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]),
+                         remat=spec.model.remat, dtype=spec.model.dtype, rollout=rollout,
+                         rollout_params=rollout_params, reference=reference, reference_params=reference_params)
+    print(plan.summary(), file=sys.stderr, flush=True)
+    if not plan.fits:
+        raise MemoryPlanError(refusal(plan))
+    return plan
 
 
 def train_state_shardings(state: TrainState, optimizer, mesh: jax.sharding.Mesh) -> TrainState:

@@ -38,15 +38,12 @@ import numpy as np
 
 from locojax import metrics as m
 from locojax.contract import CHECKPOINTS_DIR, CHECKSUM_KEY, DA_ROLLOUT_CHECKSUM, DA_ROLLOUT_VERSION
+from locojax.modes.errors import DAError
 from locojax.runner import ModeSession, StepOutput, checksum_due
 from locojax.spec import RunSpec
 
 STALENESS_KEY = m.DA_STALENESS
 ACTOR_TIMEOUT_S = 600.0  # a single rollout or train call longer than this is treated as hung
-
-
-class DAError(RuntimeError):
-    """A host of a DA run failed; the message names the host and the phase."""
 
 
 def _pin_and_configure(cores: Sequence[int] | None, devices: int) -> None:

@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from locojax.link import split_address
+from locojax.modes.errors import DAError
 from locojax.spec import RunSpec
 
 RESOURCE_ROLLOUT = "locojax_rollout"
@@ -67,13 +69,6 @@ def is_train_host(spec: RunSpec, host: int) -> bool:
 def node_resources(spec: RunSpec, host: int) -> dict[str, float]:
     group = RESOURCE_TRAIN if is_train_host(spec, host) else RESOURCE_ROLLOUT
     return {group: 1.0, host_resource(host): 1.0}
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"not ADDR:PORT: {address!r}")
-    return host, int(port)
 
 
 def use_secret_as_token(secret_file: str | Path) -> None:
@@ -156,8 +151,6 @@ def start_head(spec: RunSpec, listen: str):
 
 def wait_for_nodes(ray, spec: RunSpec, timeout_s: float = JOIN_TIMEOUT_S) -> None:
     """Until every reserved host's node has joined; raises naming the hosts still missing."""
-    from locojax.modes.da import DAError
-
     wanted = {host_resource(h): h for h in range(spec.placement.hosts)}
     deadline = time.monotonic() + timeout_s
     while True:

@@ -35,16 +35,13 @@ from locojax import link
 from locojax.launch import cores_for_host
 from locojax import metrics as m
 from locojax.contract import CHECKSUM_KEY, CONTROL_DIR, EngineStatus, HostStatus
+from locojax.modes.errors import SCError
 from locojax.runner import ModeSession, StepOutput, checkpoint_dir, checksum_due, output_dir
 from locojax.spec import RunSpec, dump_spec
 
 CONNECT_TIMEOUT_S = 300.0  # workers compile nothing before they connect, but may queue for cores
 SETUP_TIMEOUT_S = 900.0  # a worker's setup: policy, optimizer state, restore (0.6B restores take minutes)
 CALL_TIMEOUT_S = 600.0  # one rollout or train call longer than this is treated as a hung worker
-
-
-class SCError(RuntimeError):
-    """A worker of an SC run failed; the message names the worker, its host and the phase."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +330,7 @@ class SCWorker:
         import jax
 
         from locojax.modes.common import RolloutRunner, prepare_trainer, to_local, train_temperature
-        from locojax.train import make_logprobs_fn
+        from locojax.train import reference_logprobs_fn
 
         self.spec, self.rank, self.workers = spec, rank, workers
         self.trainer = prepare_trainer(spec, jax.devices(), checkpoint_dir(spec), resume)
@@ -343,7 +340,7 @@ class SCWorker:
         self.use_kl = spec.algo.kl_coef > 0
         if self.use_kl:  # as in CO: the starting policy, scored on this host's rows
             self.reference_params = to_local(self.trainer.reference_params, self.runner.replicated)
-            self.reference_logprobs = make_logprobs_fn(self.trainer.policy.graphdef, train_temperature(spec))
+            self.reference_logprobs = reference_logprobs_fn(self.trainer.policy.graphdef, train_temperature(spec))
 
     def rollout(self, step: int, examples) -> dict[str, Any]:
         import time

@@ -22,9 +22,25 @@ LocalProfileOption = Annotated[
 ]
 
 
-def _resolve_hardware(name: str, local_profile: Path | None):
-    from locojax.placement.hardware import default_local_cpu_path, get_hardware
+CalibrationOption = Annotated[
+    Optional[Path],
+    typer.Option("--calibration", help="a fitted profile to price with: `locojax calibrate --out` JSON, or "
+                                       "bench/results/placement_tpu.json (its `calibration`)"),
+]
 
+
+def _resolve_hardware(name: str, local_profile: Path | None, calibration: Path | None = None):
+    from locojax.placement.hardware import HardwareProfile, default_local_cpu_path, get_hardware
+
+    if calibration is not None:
+        try:
+            data = json.loads(calibration.read_text(encoding="utf-8"))
+            profile = HardwareProfile.from_json(data.get("calibration", data)["profile"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--calibration {calibration}: not a calibration with a 'profile' ({exc})") from None
+        if profile.name != name:
+            raise ValueError(f"--calibration {calibration}: fitted for {profile.name}, not {name}")
+        return profile
     if name == "local-cpu" and local_profile is None and default_local_cpu_path().is_file():
         local_profile = default_local_cpu_path()
     return get_hardware(name, local_profile)
@@ -48,6 +64,7 @@ def recommend_command(
     top: Annotated[int, typer.Option(help="options shown in the table")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="print the recommendation as JSON")] = False,
     local_profile: LocalProfileOption = None,
+    calibration: CalibrationOption = None,
 ) -> None:
     """Which coordination mode, host count and rollout share is fastest for this run."""
     from pydantic import ValidationError
@@ -58,7 +75,7 @@ def recommend_command(
         request = PlacementRequest(model=model, hardware=hardware, chips=chips, chips_per_host=chips_per_host,
                                    workload=workload, prompts_per_step=prompts_per_step, group_size=group_size,
                                    prompt_len=prompt_len, gen_len=gen_len)
-        result = recommend(request, _resolve_hardware(hardware, local_profile))
+        result = recommend(request, _resolve_hardware(hardware, local_profile, calibration))
     except ValidationError as exc:
         _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg'].removeprefix('Value error, ')}"
                         for e in exc.errors()))

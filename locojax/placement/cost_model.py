@@ -203,6 +203,7 @@ class ModelSize:
     # those alone (locojax.train: `output_slots`); 0 means "count every parameter on every token".
     head_params: int = 0
     lookup_params: int = 0
+    vocab_size: int = 0  # what sampling reads per sequence per decode step (0: unknown, no such cost)
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "ModelSize":
@@ -210,7 +211,7 @@ class ModelSize:
         return cls(name=config.name, params=param_count(config), n_layers=config.n_layers, d_model=config.d_model,
                    attention_width=config.n_heads * config.head_dim,
                    kv_values_per_token=config.kv_bytes_per_token(bytes_per_value=1),
-                   head_params=head, lookup_params=0 if config.tie_embeddings else head)
+                   head_params=head, lookup_params=0 if config.tie_embeddings else head, vocab_size=config.vocab_size)
 
     @property
     def body_params(self) -> int:
@@ -288,9 +289,16 @@ def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     # Rates measured on the engine's own kernels already include their memory traffic.
     memory_bound = memory_s >= compute_s and not hardware.rates_include_memory
     step_s = ((memory_s if memory_bound else compute_s)
-              + (batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s)
-              * cpu_sharing(hardware, busy_hosts))
+              + decode_step_fixed_s(model, hardware, batch) * cpu_sharing(hardware, busy_hosts))
     return RolloutShape(tensor_parallel, replicas, batch, waves, step_s, memory_bound)
+
+
+def decode_step_fixed_s(model: ModelSize, hardware: HardwareProfile, batch: float) -> float:
+    """Device time of one decode step (or the prefill's sampling) beside its matmuls and memory traffic:
+    per sequence (sampling: a fixed part and a part per vocabulary entry), per decoder layer (kernel
+    latency) and per step."""
+    per_row = hardware.decode_row_overhead_s + model.vocab_size * hardware.decode_vocab_overhead_s
+    return batch * per_row + model.n_layers * hardware.decode_layer_overhead_s + hardware.decode_step_overhead_s
 
 
 # FLOP counts, shared with `locojax probe`, which fits the CPU rates against the same counts.
@@ -368,8 +376,7 @@ def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     if not hardware.rates_include_memory:
         prefill_compute_s = max(prefill_compute_s, weight_bytes / (tp * bandwidth))
     # Prefill also samples the first token; decode then runs gen_len - 1 steps for the rest.
-    prefill_s = prefill_compute_s + ((batch * hardware.decode_row_overhead_s + hardware.decode_step_overhead_s)
-                                     * cpu_sharing(hardware, busy_hosts))
+    prefill_s = prefill_compute_s + decode_step_fixed_s(model, hardware, batch) * cpu_sharing(hardware, busy_hosts)
     device_s = hardware.device_time_scale * shape.waves * (prefill_s + (workload.gen_len - 1) * shape.decode_step_s)
 
     tokens_per_dispatch = hardware.decode_tokens_per_dispatch or workload.gen_len

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -59,7 +60,8 @@ PCIE_BANDWIDTH = 15 * GB
 
 # The fields a per-width entry of `HardwareProfile.measured_rates` may set.
 RATE_FIELDS = ("peak_flops", "train_mfu", "decode_mfu", "prefill_mfu", "train_attention_efficiency",
-               "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s", "train_step_overhead_s",
+               "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s",
+               "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_step_overhead_s",
                "train_scored_token_overhead_s")
 
 
@@ -93,6 +95,15 @@ class HardwareProfile:
     # step into few large kernels); `locojax probe` measures them for local-cpu.
     decode_step_overhead_s: float = 0.0
     train_step_overhead_s: float = 0.0
+    # Fixed device time per decoder layer per decode step (and once per prefill): the launch and
+    # pipeline latency of each layer's fused kernels, which a step of a small model on an accelerator
+    # is mostly made of, and which grows with the layers, not with the bytes. Assumed 0 until
+    # calibration fits it from a profile's observations (`locojax.placement.calibration`).
+    decode_layer_overhead_s: float = 0.0
+    # Device time per sequence per vocabulary entry per decode step: sampling reads, normalises and
+    # draws from a whole row of logits, so a 152k-entry vocabulary costs 400x a byte-level one. 0 until
+    # calibration fits it (`decode_row_overhead_s` is the probe's fixed per-sequence figure on a CPU).
+    decode_vocab_overhead_s: float = 0.0
     # Device time per scored (completion) slot of a training step beyond its matmuls: log-softmax
     # and entropy over the vocabulary, the taken token's log-prob, the last layer's work for those
     # slots; per device while every device is busy. 0 on accelerators, where it hides under the
@@ -149,6 +160,9 @@ class HardwareProfile:
     # host and loopback-network times too (the same cores). 1 for a machine of one's own.
     device_time_scale: float = 1.0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # What JAX calls these devices (`jax.Device.device_kind`), lower case; a trailing `*` matches any
+    # suffix ("nvidia h100*": "NVIDIA H100 80GB HBM3"). `hardware_for_device` maps a device to its profile.
+    jax_device_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("peak_flops", "hbm_bytes", "hbm_bandwidth", "ici_bandwidth", "dcn_bandwidth_per_chip",
@@ -161,7 +175,7 @@ class HardwareProfile:
         non_negative = ("ici_latency_s", "dcn_latency_s", "dispatch_s", "controller_round_trip_s",
                         "controller_round_trip_per_host_s", "reward_cpu_scale", "ray_call_s",
                         "decode_step_overhead_s", "train_step_overhead_s", "decode_row_overhead_s",
-                        "train_scored_token_overhead_s")
+                        "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_scored_token_overhead_s")
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")
@@ -182,6 +196,7 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile.decode_attention must be 'ragged' or 'dense', got {self.decode_attention!r}")
         if self.decode_tokens_per_dispatch is not None and self.decode_tokens_per_dispatch < 1:
             raise ValueError("HardwareProfile.decode_tokens_per_dispatch must be >= 1 or None")
+        object.__setattr__(self, "jax_device_kinds", tuple(kind.lower() for kind in self.jax_device_kinds))
 
     def replace(self, **changes: Any) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)
@@ -206,6 +221,7 @@ class HardwareProfile:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["sources"] = dict(self.sources)
+        data["jax_device_kinds"] = list(self.jax_device_kinds)
         return data
 
     @classmethod
@@ -219,9 +235,65 @@ class HardwareProfile:
 
 HARDWARE: Registry[HardwareProfile] = Registry("hardware profile")
 
+# Constants measured on the hardware itself, each citing the benchmark JSON it came from (a `source`
+# per constant): {profile: {field: {"value": v, "source": "bench/results/<file>.json#<dotted.key>"}}}.
+# They replace the documented figures of the profiles below as those are registered; a test checks that
+# each cited file holds the value at that key.
+MEASURED_CONSTANTS_FILE = Path(__file__).with_name("measured_constants.json")
+MEASURED_SOURCE = re.compile(r"^bench/results/[\w.-]+\.json#[\w@.-]+(\.[\w@.-]+)*$")
+
+
+def read_measured_constants(path: Path = MEASURED_CONSTANTS_FILE) -> dict[str, dict[str, dict[str, Any]]]:
+    """The measured-constants table, checked: known profile fields, numeric values, cited sources."""
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of profiles")
+    fields = {field.name for field in dataclasses.fields(HardwareProfile)} - {"name", "description", "sources"}
+    for profile, constants in data.items():
+        if not isinstance(constants, dict):
+            raise ValueError(f"{path}: {profile}: expected an object of constants")
+        for field, entry in constants.items():
+            where = f"{path}: {profile}.{field}"
+            if field not in fields:
+                raise ValueError(f"{where}: not a hardware profile field")
+            if not isinstance(entry, dict) or set(entry) != {"value", "source"}:
+                raise ValueError(f"{where}: expected {{\"value\": ..., \"source\": ...}}")
+            if not isinstance(entry["value"], (int, float)) or isinstance(entry["value"], bool):
+                raise ValueError(f"{where}: value must be a number")
+            if not isinstance(entry["source"], str) or not MEASURED_SOURCE.match(entry["source"]):
+                raise ValueError(f"{where}: source must cite bench/results/<file>.json#<key>, got {entry['source']!r}")
+    return data
+
+
+def apply_measured_constants(profile: HardwareProfile, table: Mapping[str, Mapping[str, Mapping[str, Any]]]
+                             ) -> HardwareProfile:
+    """`profile` with its measured constants from `table` (`read_measured_constants`), each source noted."""
+    measured = table.get(profile.name) or {}
+    if not measured:
+        return profile
+    return profile.replace(**{field: entry["value"] for field, entry in measured.items()},
+                           sources={**profile.sources, **{field: entry["source"] for field, entry in measured.items()}})
+
+
+_MEASURED = read_measured_constants()
+
 
 def _add(profile: HardwareProfile) -> HardwareProfile:
-    return HARDWARE.register(profile.name)(profile)
+    return HARDWARE.register(profile.name)(apply_measured_constants(profile, _MEASURED))
+
+
+def hardware_for_device(device_kind: str, platform: str | None = None) -> str | None:
+    """The catalog profile of a JAX device (`device.device_kind`, `device.platform`): "TPU v5 lite" is
+    `tpu-v5e`, any CPU the `local-cpu` profile; None when no profile describes it."""
+    kind = "cpu" if (platform or "").lower() == "cpu" else device_kind.strip().lower()
+    profiles = [HARDWARE.get(name) for name in HARDWARE]
+    for profile in profiles:  # exact names first: "tpu v5" is v5p, though "tpu v5 lite" starts with it
+        if kind in profile.jax_device_kinds:
+            return profile.name
+    for profile in profiles:
+        if any(pattern.endswith("*") and kind.startswith(pattern[:-1]) for pattern in profile.jax_device_kinds):
+            return profile.name
+    return None
 
 
 # Source for rows below unless noted: FACTS.md "Accelerators (per chip)" table, which cites the Cloud
@@ -233,6 +305,7 @@ def _add(profile: HardwareProfile) -> HardwareProfile:
 
 _add(HardwareProfile(
     name="tpu-v5e", description="Cloud TPU v5e (8 chips per host, 2D torus, 256-chip pods)",
+    jax_device_kinds=("tpu v5 lite", "tpu v5e", "tpu v5litepod"),
     peak_flops=197e12, hbm_bytes=16 * GB, hbm_bandwidth=819 * GB, ici_bandwidth=400 * GB,
     ici_domain_chips=256, dcn_bandwidth_per_chip=2 * 100 * Gbps / 8, chips_per_host=8, train_mfu=0.45,
     sources={"accelerator": "Cloud TPU docs, v5e page (FACTS.md)",
@@ -242,6 +315,7 @@ _add(HardwareProfile(
 ))
 _add(HardwareProfile(
     name="tpu-v5p", description="Cloud TPU v5p (4 chips per host, 3D torus)",
+    jax_device_kinds=("tpu v5", "tpu v5p"),
     peak_flops=459e12, hbm_bytes=95 * GiB, hbm_bandwidth=2765 * GB, ici_bandwidth=1200 * GB,
     ici_domain_chips=8960, dcn_bandwidth_per_chip=50 * Gbps, chips_per_host=4, train_mfu=0.65,
     sources={"accelerator": "Cloud TPU docs, v5p page (FACTS.md)",
@@ -250,6 +324,7 @@ _add(HardwareProfile(
 ))
 _add(HardwareProfile(
     name="tpu-v6e", description="Cloud TPU v6e Trillium (4-chip hosts in multi-host slices, 2D torus)",
+    jax_device_kinds=("tpu v6 lite", "tpu v6e"),
     peak_flops=918e12, hbm_bytes=32 * GB, hbm_bandwidth=1638 * GB, ici_bandwidth=800 * GB,
     ici_domain_chips=256, dcn_bandwidth_per_chip=100 * Gbps, chips_per_host=4, train_mfu=0.45,
     sources={"accelerator": "Cloud TPU docs, v6e page (FACTS.md); HBM bandwidth also given as 1600/1640",
@@ -258,6 +333,7 @@ _add(HardwareProfile(
 ))
 _add(HardwareProfile(
     name="tpu-v7x", description="Cloud TPU7x Ironwood (4-chip VMs, 224 vCPU per host)",
+    jax_device_kinds=("tpu7x", "tpu v7x", "tpu v7"),
     peak_flops=2307e12, hbm_bytes=192 * GiB, hbm_bandwidth=7380 * GB, ici_bandwidth=1200 * GB,
     ici_domain_chips=9216, dcn_bandwidth_per_chip=100 * Gbps, chips_per_host=4, train_mfu=0.45,
     sources={"accelerator": "Cloud TPU docs, tpu7x page (FACTS.md)",
@@ -266,6 +342,7 @@ _add(HardwareProfile(
 ))
 _add(HardwareProfile(
     name="h100", description="NVIDIA H100 SXM (8 GPUs per host on NVLink, 8x400 Gbps per host)",
+    jax_device_kinds=("nvidia h100*",),
     peak_flops=989e12, hbm_bytes=80 * GB, hbm_bandwidth=3350 * GB, ici_bandwidth=2 * 450 * GB,
     ici_domain_chips=8, dcn_bandwidth_per_chip=400 * Gbps, chips_per_host=8, train_mfu=0.40,
     sources={"accelerator": "jax-ml scaling-book, GPUs chapter (FACTS.md); NVLink 450 GB/s per direction",
@@ -274,6 +351,7 @@ _add(HardwareProfile(
 ))
 _add(HardwareProfile(
     name="h200", description="NVIDIA H200 (8 GPUs per host on NVLink, 8x400 Gbps per host)",
+    jax_device_kinds=("nvidia h200*",),
     peak_flops=989e12, hbm_bytes=141 * GB, hbm_bandwidth=4800 * GB, ici_bandwidth=2 * 450 * GB,
     ici_domain_chips=8, dcn_bandwidth_per_chip=400 * Gbps, chips_per_host=8, train_mfu=0.40,
     sources={"accelerator": "jax-ml scaling-book, GPUs chapter (FACTS.md); NVLink 450 GB/s per direction",
@@ -291,6 +369,7 @@ _add(HardwareProfile(
 _PROBED_2_CORE = "locojax probe on the 2-core development machine, 2026-11-30 (bench/placement_accuracy.py)"
 LOCAL_CPU = HardwareProfile(
     name="local-cpu", description="this machine's CPU cores; one process per simulated host",
+    jax_device_kinds=("cpu",),
     # The engine's train step at d_model 64 runs its matmuls at the rate of a large float32 matmul here
     # (~215 GFLOP/s for the 2 cores); attention (masked softmax over dense caches, head_dim 16) at ~1/4
     # of that; prefill at ~0.4 of it; each completion slot adds ~10 us of vocabulary work.

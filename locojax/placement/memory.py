@@ -40,6 +40,34 @@ USABLE_FRACTION = 0.9
 # them for the backward pass); in rematerialised chunks only one chunk's [B, N, C] exists at a time.
 LOGPROB_VOCAB_CHUNK = 16384
 
+# With no micro_batch_size set, a step on CPU devices splits each device's rows into micro-batches of
+# at most this many token slots (halving while the rows divide evenly). XLA:CPU allocates a step's
+# whole temporary buffer afresh on every call and the kernel faults in and zeroes every page of it,
+# so past a few thousand rows x slots the faults, not the FLOPs, set the time: 512 rows x 104 slots
+# on one core took 680 ms whole, 384 ms as 4 micro-batches and 331 ms as 8 (6.6K slots each);
+# 1024 rows 1346 ms whole, 708 ms as 8. Accelerators keep the whole batch (their memory is
+# allocated once); set micro_batch_size to bound their activation memory.
+CPU_MICRO_BATCH_SLOTS = 8192
+
+
+def num_micro_batches(batch_size: int, micro_batch_size: int | None, seq_len: int = 0,
+                      data_devices: int = 1, platform: str = "") -> int:
+    """Micro-batches of one train step on `batch_size` rows split over `data_devices`: the train step
+    (locojax.train) takes its count from here, so the plan counts the same ones."""
+    if micro_batch_size is None:
+        if platform != "cpu":
+            return 1
+        num, per_device = 1, batch_size // max(data_devices, 1)
+        while per_device // num * seq_len > CPU_MICRO_BATCH_SLOTS and per_device % (2 * num) == 0:
+            num *= 2
+        return num
+    if micro_batch_size >= batch_size:
+        return 1
+    if batch_size % micro_batch_size:
+        raise ValueError(f"batch of {batch_size} sequences is not a multiple of micro_batch_size {micro_batch_size}")
+    return batch_size // micro_batch_size
+
+
 # Parameter-sized buffers the train step holds at its peak (gradients, AdamW's update, the backward's
 # per-layer buffers), per embedding and per layer parameter; measured, see `plan_memory`.
 EMBEDDING_STEP_BUFFERS = 1.5
@@ -85,15 +113,20 @@ class MemoryPlan:
     dtype: str
     capacity_bytes: float | None = None
     capacity_name: str = "device memory"
+    # The KL reference pass's transient, when it is planned on its own (the compiled plan).
+    reference: dict[str, float] = dataclasses.field(default_factory=dict)
+    # "analytic": these formulas; "compiled": XLA's memory analysis of the run's programs
+    # (locojax.compiled_plan, on accelerators).
+    source: str = "analytic"
 
     @property
     def peak_bytes(self) -> float:
-        return (sum(self.persistent.values()) + max(sum(self.train.values()), sum(self.rollout.values()))
-                + self.runtime_bytes)
+        transients = (sum(self.train.values()), sum(self.rollout.values()), sum(self.reference.values()))
+        return sum(self.persistent.values()) + max(transients) + self.runtime_bytes
 
     @property
     def terms(self) -> dict[str, float]:
-        return {**self.persistent, **self.train, **self.rollout, "runtime": self.runtime_bytes}
+        return {**self.persistent, **self.train, **self.rollout, **self.reference, "runtime": self.runtime_bytes}
 
     @property
     def fits(self) -> bool:
@@ -109,9 +142,12 @@ class MemoryPlan:
 
         capacity = ("" if self.capacity_bytes is None else
                     f" of {self.capacity_bytes * USABLE_FRACTION / GiB:.2f} GiB usable {self.capacity_name}")
-        return (f"memory plan per device ({self.mesh.label()}, {self.dtype}, remat {self.remat}): peak "
+        reference = f", reference [{gib(self.reference)}]" if self.reference else ""
+        source = ", compiled" if self.source == "compiled" else ""
+        return (f"memory plan per device ({self.mesh.label()}, {self.dtype}, remat {self.remat}{source}): peak "
                 f"{self.peak_bytes / GiB:.2f} GiB{capacity} = persistent [{gib(self.persistent)}] + max(train "
-                f"[{gib(self.train)}], rollout [{gib(self.rollout)}]) + runtime {self.runtime_bytes / GiB:.2f} GiB")
+                f"[{gib(self.train)}], rollout [{gib(self.rollout)}]{reference}) + runtime "
+                f"{self.runtime_bytes / GiB:.2f} GiB")
 
 
 def plan_memory(config: ModelConfig, *, rows_per_host: int, prompt_len: int, new_len: int,
@@ -216,7 +252,9 @@ def refusal(plan: MemoryPlan) -> str:
     hints = []
     if term in ("params", "optimizer", "gradients", "rollout_params", "reference"):
         hints.append("more devices per host with placement.fsdp (shards params, gradients and AdamW state)")
-    if plan.remat == "none" and plan.train["activations"] > 0.1 * plan.peak_bytes:
+    # The analytic plan names the activations; the compiled one has them among the train step's temporaries.
+    activations = plan.train.get("activations", plan.train.get("train_temporaries", 0.0))
+    if plan.remat == "none" and activations > 0.1 * plan.peak_bytes:
         hints.append("model.remat: full (keeps one activation per layer)")
     if plan.dtype == "float32":
         hints.append("model.dtype: bfloat16 (halves every parameter-sized term)")
@@ -266,13 +304,14 @@ def spec_model_config(spec) -> ModelConfig:
         import json
         from pathlib import Path
 
-        from locojax.model.hf import config_from_hf
+        from locojax.model.hf_config import config_from_hf
 
         config_file = Path(spec.model.checkpoint) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model.checkpoint: {config_file.parent} holds no config.json (expected a HF "
                                     "directory, e.g. <output_dir>/model of a finished SFT run)")
-        return config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), dtype=spec.model.dtype)
+        return config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), name=config_file.parent.name,
+                              dtype=spec.model.dtype)
     from locojax.model.config import get_preset
 
     return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
@@ -282,8 +321,6 @@ def plan_for_spec(spec, devices, hosts: int, *, samples: bool) -> MemoryPlan:
     """The plan of `spec` on this host's `devices` (one of `hosts` hosts sharing the prompts), against
     their capacity. A run whose mode does not sample (`samples=False`: SFT, `ModeDef.samples`) plans the
     same terms with its batch of reference answers (no rollout groups, no reference policy)."""
-    from locojax.train import _num_micro_batches
-
     devices = list(devices)
     config = spec_model_config(spec)
     rows_per_host = spec.rollout.prompts_per_step * (spec.rollout.group_size if samples else 1) // max(hosts, 1)
@@ -293,8 +330,8 @@ def plan_for_spec(spec, devices, hosts: int, *, samples: bool) -> MemoryPlan:
                          f"{len(devices)} devices")
     mesh = MeshShape(len(devices) // (fsdp * tensor), fsdp, tensor)
     seq = spec.rollout.max_prompt_tokens + spec.rollout.max_new_tokens
-    micro_batches = _num_micro_batches(rows_per_host, spec.algo.micro_batch_size, seq, mesh.data * mesh.fsdp,
-                                       devices[0].platform)
+    micro_batches = num_micro_batches(rows_per_host, spec.algo.micro_batch_size, seq, mesh.data * mesh.fsdp,
+                                      devices[0].platform)
     capacity, capacity_name, runtime = device_capacity(devices)
     return plan_memory(config, rows_per_host=rows_per_host, prompt_len=spec.rollout.max_prompt_tokens,
                        new_len=spec.rollout.max_new_tokens, mesh=mesh, dtype=spec.model.dtype,

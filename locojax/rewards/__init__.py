@@ -12,6 +12,7 @@ module is under a prefix the operator allowed (`LOCOJAX_REWARD_MODULES` on the A
 which starts its engine processes with `--reward-modules`): a submitter must not make every host import
 and call whatever it names (`builtins:exec`, `shutil:rmtree`). The API checks a spec against the list;
 an engine process checks again before it imports anything (`allow_reward_modules`, `resolve_reward`).
+Both ask `unknown_names`, which also checks the spec's task name against the task registry.
 
 A reward that raises (or returns NaN) scores 0 for that sample and is logged once per function:
 a scoring bug must not stop a long run, but it must not go unseen either.
@@ -35,6 +36,8 @@ from locojax.rewards.countdown import countdown
 from locojax.rewards.format import format_reward
 from locojax.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
 from locojax.rewards.math import math_reward
+from locojax.spec import RunSpec
+from locojax.tasks import TASKS
 from locojax.tasks.base import Example
 
 log = logging.getLogger(__name__)
@@ -134,6 +137,21 @@ def check_reward_names(names: Sequence[str], prefixes: Sequence[str]) -> list[tu
             if (error := reward_name_error(name, prefixes)) is not None]
 
 
+def unknown_names(spec: RunSpec, reward_modules: Sequence[str]) -> list[tuple[str, str]]:
+    """(field path, message) for each task or reward name of `spec` its registry does not hold, or a
+    `package.module:function` reward outside the operator's `reward_modules`. The CLI, the hosts
+    and the API all ask this, so they refuse the same specs with the same messages. (Mode,
+    advantage estimator and loss names are checked by the spec fields' own types, which list
+    exactly the registries' names: a test holds them equal.)"""
+    errors = []
+    if spec.task.name not in TASKS:
+        errors.append(("task.name", f"unknown task {spec.task.name!r}; known: {', '.join(TASKS.names())}"))
+    rewards = {"task.reward": spec.task.reward or [], "eval.reward": (spec.eval.reward if spec.eval else None) or []}
+    errors += [(f"{field}.{index}", message) for field, names in rewards.items()
+               for index, message in check_reward_names(names, reward_modules)]
+    return errors
+
+
 def resolve_reward(name: str) -> RewardFn:
     """A registered reward, or a function named `package.module:function` whose module this process
     was allowed to import (`allow_reward_modules`); anything else is refused before any import."""
@@ -195,5 +213,5 @@ def score(
 
 
 __all__ = ["REWARDS", "RewardFn", "score", "resolve_reward", "allow_reward_modules", "allowed_reward_modules",
-           "check_reward_names", "reward_name_error", "split_prefixes", "gsm8k_strict", "gsm8k_flexible", "math_reward", "countdown",
-           "format_reward"]
+           "check_reward_names", "reward_name_error", "split_prefixes", "unknown_names", "gsm8k_strict", "gsm8k_flexible",
+           "math_reward", "countdown", "format_reward"]

@@ -11,8 +11,7 @@ training view also skips every example whose prompt is a held-out prompt. The sp
 the task and the eval block only, not on the run's seed: runs with different seeds are evaluated
 on the same prompts.
 
-`load_task_data` is what runs and the API call: it reports a missing or malformed data file as a
-`SpecError` naming the spec field (`task.path`, `eval.path`), so it reads like any spec error.
+`locojax.tasks.load_task_data` builds a run's task and splits it here.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from locojax.spec import EvalSpec, SpecError, TaskSpec
-from locojax.tasks.base import DataFormatError, Example, GeneratedTask, Task
+from locojax.spec import EvalSpec
+from locojax.tasks.base import Example, GeneratedTask, Task
 
 # Fixed, so every run of a task holds out the same records (seed-independent, see the docstring).
 SPLIT_SEED = 0xE7A1
@@ -119,27 +118,6 @@ def held_out_split(task: Task, eval_spec: EvalSpec, eval_task: Task | None = Non
     if isinstance(task, GeneratedTask):
         return _generated_split(task, eval_spec)
     return _file_split(task, eval_spec, eval_task)
-
-
-def load_task_data(task_spec: TaskSpec, eval_spec: EvalSpec | None, source: str = "spec") -> TaskData:
-    """The run's task, split when it has an eval block; data-file errors as a `SpecError` naming the
-    spec field whose file is missing or malformed."""
-    from locojax.tasks import make_task
-
-    def build(field: str, spec: TaskSpec) -> Task:
-        try:
-            return make_task(spec)
-        except DataFormatError as exc:
-            raise SpecError([(field, str(exc))], source) from None
-
-    task = build("task.path", task_spec)
-    if eval_spec is None:
-        return TaskData(task)
-    eval_task = build("eval.path", task_spec.model_copy(update={"path": eval_spec.path})) if eval_spec.path else None
-    try:
-        return held_out_split(task, eval_spec, eval_task)
-    except ValueError as exc:
-        raise SpecError([("eval.prompts", str(exc))], source) from None
 
 
 def host_slice(examples: Sequence[Example], host: int, num_hosts: int) -> tuple[int, list[Example]]:

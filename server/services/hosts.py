@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from server.errors import ConflictError, NotFoundError
 from server.models import Host, HostRecordStatus, utcnow
 from server.schemas import HostPublic, HostRegister
-from server.services import lifecycle
+from server.services import calibration, lifecycle
 from server.settings import Settings
 
 
@@ -37,6 +37,7 @@ def to_public(host: Host, settings: Settings, now: datetime | None = None) -> Ho
     status, age = liveness(host, settings, now or utcnow())
     return HostPublic(
         name=host.name, slice=host.slice, device_kind=host.device_kind, device_count=host.device_count,
+        device_memory_bytes=host.device_memory_bytes, hardware=calibration.hardware_of_kind(host.device_kind),
         status=status, heartbeat_age_s=round(age, 3), last_heartbeat=host.last_heartbeat,
         registered_at=host.registered_at, reserved_by_run_id=host.reserved_by_run_id,
         # Shown, the nonce would let any reader re-register as the live worker (check_takeover).
@@ -87,6 +88,7 @@ def register(session: Session, report: HostRegister) -> Host:
         host.slice = report.slice
         host.device_kind = report.device_kind
         host.device_count = report.device_count
+        host.device_memory_bytes = report.device_memory_bytes
         host.info = report.info
         host.status = HostRecordStatus.ONLINE
         host.last_heartbeat = now

@@ -1,8 +1,9 @@
 """Placement decisions: ask the recommender (locojax.placement) and keep what it said.
 
 A decision stores the request, every option the cost model priced, the choice and its one-sentence
-reason. Runs that follow it carry its id; when such a run finishes, `runs.transition` writes the run's
-measured median step time back here beside the prediction.
+reason, priced with the hardware's active calibration (`services.calibration`), which it names. Runs
+that follow it carry its id; when such a run finishes, `runs.transition` writes the run's measured
+median step time back here beside the prediction.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from sqlalchemy.orm import Session
 from server.errors import InvalidInputError, NotFoundError, UnavailableError
 from server.models import PlacementDecision
 from server.schemas import PlacementRecommendRequest
-from server.services import runs as run_service
+from server.services import calibration as calibration_service
+from server.services import pagination
 from server.services.jsonable import jsonable
 
 
@@ -49,8 +51,10 @@ def recommend(session: Session, body: PlacementRecommendRequest, *, created_by: 
     _check_names(body, hardware_registry, workload_registry)
     fields = body.model_dump(exclude_none=True)
     fields["model"] = body.model.lower()
+    # The hardware's active calibration (refitted first when observations arrived since it was fitted).
+    profile, calibration = calibration_service.profile_for(session, body.hardware, refit_if_stale=True, by=created_by)
     try:
-        recommendation = recommend_fn(request_cls(**fields))
+        recommendation = recommend_fn(request_cls(**fields), profile)
     except ValidationError as exc:  # the library's own request model refused a combination
         details = [{"field": ".".join(str(part) for part in error["loc"]), "message": error["msg"]}
                    for error in exc.errors()]
@@ -68,6 +72,7 @@ def recommend(session: Session, body: PlacementRecommendRequest, *, created_by: 
         created_by=created_by, request=body.model_dump(mode="json"),
         options=[jsonable(option) for option in recommendation.options], choice=jsonable(choice),
         reason=str(recommendation.reason), mode=str(jsonable(choice.mode)), predicted_step_s=float(choice.step_time_s),
+        calibration_id=calibration.id if calibration is not None else None,
     )
     session.add(decision)
     session.commit()
@@ -82,9 +87,4 @@ def get(session: Session, decision_id: int) -> PlacementDecision:
 
 
 def list_page(session: Session, *, limit: int, cursor: str | None) -> tuple[list[PlacementDecision], str | None]:
-    query = select(PlacementDecision)
-    if cursor:
-        query = query.where(PlacementDecision.id < run_service.decode_cursor(cursor))
-    rows = list(session.scalars(query.order_by(PlacementDecision.id.desc()).limit(limit + 1)))
-    next_cursor = run_service.encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return rows[:limit], next_cursor
+    return pagination.page(session, select(PlacementDecision), PlacementDecision.id, limit=limit, cursor=cursor)

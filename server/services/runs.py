@@ -13,8 +13,6 @@ continues from its last checkpoint under the same id, so its metrics and events 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import os
 import statistics
 from collections.abc import Mapping
@@ -31,6 +29,7 @@ from server.errors import ConflictError, IllegalTransitionError, InvalidInputErr
 from server.models import (
     AGGREGATE_HOST,
     TERMINAL_STATES,
+    CalibrationObservation,
     Host,
     PlacementDecision,
     Run,
@@ -42,7 +41,8 @@ from server.models import (
     StepMetricSeries,
     utcnow,
 )
-from server.services import events
+from server.services import calibration, events
+from server.services import pagination
 from server.settings import Settings
 
 S = RunStatus
@@ -128,6 +128,7 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str | None 
         if run.decision_id is not None and run.measured_step_s is not None:
             session.execute(update(PlacementDecision).where(PlacementDecision.id == run.decision_id).values(
                 measured_step_s=run.measured_step_s, measured_at=now, measured_run_id=run.id))
+        calibration.record_run(session, run)  # every finished run teaches the placement model
     return run
 
 
@@ -213,8 +214,10 @@ def check_names(spec: RunSpec, settings: Settings) -> None:
     """Task and reward names the hosts look up in their registries: a typo is a 422 now, not a run that
     fails on its hosts after its start-up. A `package.module:function` reward must be under one of the
     operator's module prefixes (`Settings.reward_modules`); the hosts check the same list again."""
+    from locojax.rewards import unknown_names  # the registries: not paid for at the API's import
+
     errors = [{"field": f"spec.{field}", "message": message}
-              for field, message in spec.unknown_names(settings.reward_modules)]
+              for field, message in unknown_names(spec, settings.reward_modules)]
     if errors:
         raise InvalidInputError(f"{errors[0]['field']}: {errors[0]['message']}", code="UNKNOWN_NAME", details=errors)
 
@@ -305,36 +308,16 @@ def get_for_update(session: Session, run_id: int) -> Run:
 
 # --- listing ----------------------------------------------------------------------------------------
 
-def encode_cursor(last_id: int) -> str:
-    return base64.urlsafe_b64encode(f"v1:{last_id}".encode()).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> int:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        version, value = raw.split(":", 1)
-        last_id = int(value)
-        if version != "v1" or last_id < 0:
-            raise ValueError
-        return last_id
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise InvalidInputError.for_field("cursor", "not a cursor returned by this API", code="INVALID_CURSOR") from None
-
-
 def list_page(session: Session, *, limit: int, cursor: str | None = None, statuses: list[RunStatus] | None = None,
               name: str | None = None) -> tuple[list[Run], str | None]:
     """Newest first; keyset pagination on id, so pages stay stable while runs are being added."""
     query = select(Run)
-    if cursor:
-        query = query.where(Run.id < decode_cursor(cursor))
     if statuses:
         query = query.where(Run.status.in_(statuses))
     if name:
         escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         query = query.where(Run.name.ilike(f"%{escaped}%", escape="\\"))
-    rows = list(session.scalars(query.order_by(Run.id.desc()).limit(limit + 1)))
-    next_cursor = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return rows[:limit], next_cursor
+    return pagination.page(session, query, Run.id, limit=limit, cursor=cursor)
 
 
 # --- user actions -----------------------------------------------------------------------------------
@@ -371,6 +354,8 @@ def delete_run(session: Session, run_id: int) -> None:
     # Explicit deletes rather than trusting ON DELETE CASCADE: SQLite enforces it only with a pragma.
     for model in (StepMetric, StepMetricRollup, StepMetricSeries, RunEvent, RunHost):
         session.execute(delete(model).where(model.run_id == run_id))
+    # Its observation stays (the calibration was fitted on it); only the link to the run goes.
+    session.execute(update(CalibrationObservation).where(CalibrationObservation.run_id == run_id).values(run_id=None))
     session.execute(update(Host).where(Host.reserved_by_run_id == run_id).values(reserved_by_run_id=None))
     session.delete(run)
     session.commit()

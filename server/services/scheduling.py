@@ -47,7 +47,7 @@ from server.models import (
     RunStatus,
     utcnow,
 )
-from server.services import events, lifecycle
+from server.services import calibration, events, lifecycle
 from server.services import runs as run_service
 from server.settings import Settings
 
@@ -101,6 +101,7 @@ def _start_attempt(session: Session, run: Run, hosts: list[Host], settings: Sett
     layout = run_layout(run)
     directory = output_dir(run, settings)
     run.attempt_secret = secrets.token_hex(32)  # a new attempt's processes never accept an old one's
+    calibration.predict_run(session, run, hosts)  # the hosts' hardware profile prices the run
     messages = []
     for index, role in enumerate(layout.roles):
         host = hosts[layout.host_of[index]]

@@ -32,7 +32,7 @@ from tests.server.test_auth import ADMIN_READS, MUTATING, PUBLIC, VALID_BODIES, 
 
 # Ids that exist nowhere: a request that got past authentication could not touch anything real.
 ABSENT = {"run_id": "2147483000", "process_index": "0", "name": "no-such-host", "token_id": "2147483000",
-          "decision_id": "2147483000"}
+          "decision_id": "2147483000", "observation_id": "2147483000", "calibration_id": "2147483000"}
 CSRF_INPUT = re.compile(r'name="csrf_token" value="([^"]+)"')
 INJECTIONS = [
     "' OR '1'='1", "1' OR 1=1 --", "1; DROP TABLE runs; --", "\" OR \"\"=\"", "') OR ('a'='a",

@@ -102,6 +102,68 @@ def test_a_run_that_cannot_fit_is_refused_before_any_parameter_exists(tmp_path, 
     assert loaded == []  # refused before the policy (or anything else) was built
 
 
+def _compile_names(caplog) -> list[str]:
+    """The functions XLA compiled so far, from JAX's compile log (`jax_log_compiles`)."""
+    return [record.getMessage().split(" of ")[1].split(" in ")[0] for record in caplog.records
+            if "Finished XLA compilation" in record.getMessage()]
+
+
+@pytest.mark.slow
+def test_the_compiled_plan_compiles_the_programs_the_run_then_calls(tmp_path, monkeypatch, caplog):
+    """On accelerators the plan comes from XLA's memory analysis of the run's own train step, rollout and
+    KL reference pass, compiled from abstract shapes before any parameter exists; the run's steps then
+    compile none of them again. Run here on CPU by asking for the compiled plan on this platform."""
+    from locojax.modes.co import COSession, run_co
+
+    monkeypatch.setattr(common, "plans_by_compiling", lambda platform: True)
+    spec = parse_spec({"name": "compiled", "model": {"preset": "tiny"}, "task": {"name": "arith"},
+                       "rollout": {"prompts_per_step": 4, "group_size": 4, "max_prompt_tokens": 32,
+                                   "max_new_tokens": 8},
+                       "algo": {"kl_coef": 0.05}, "steps": 3, "checkpoint": {"every": 0},
+                       "output_dir": str(tmp_path / "run")})
+    set_up_at = []
+    real_init = COSession.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        set_up_at.append(len(_compile_names(caplog)))
+
+    monkeypatch.setattr(COSession, "__init__", init)
+    jax.config.update("jax_log_compiles", True)
+    caplog.set_level("WARNING", logger="jax")
+    try:
+        result = run_co(spec, console=False)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert result.status == "succeeded"
+    names = _compile_names(caplog)
+    during_setup, during_steps = names[:set_up_at[0]], names[set_up_at[0]:]
+    for program in ("jit(train_step)", "jit(_generate)", "jit(<lambda>)"):  # <lambda>: the reference pass
+        assert program in during_setup and program not in during_steps, (during_setup, during_steps)
+    plan_lines = [line for line in caplog.text.splitlines() if "memory plan per device" in line]
+    assert not plan_lines  # printed to stderr, not logged
+
+
+@pytest.mark.slow
+def test_the_compiled_plan_refuses_before_any_parameter_exists_naming_the_term(tmp_path, monkeypatch, capsys):
+    loaded = []
+    monkeypatch.setattr(common, "plans_by_compiling", lambda platform: True)
+    monkeypatch.setattr(common, "load_policy", lambda spec: loaded.append(spec))
+    # The tiny model, but 8,192 rows of 1,024 slots in one micro-batch: the train step's activations alone
+    # are hundreds of GiB.
+    spec = parse_spec({"name": "too-many-rows", "model": {"preset": "tiny"}, "task": {"name": "arith"},
+                       "rollout": {"prompts_per_step": 1024, "group_size": 8, "max_prompt_tokens": 512,
+                                   "max_new_tokens": 512},
+                       "algo": {"micro_batch_size": 8192}})
+    with pytest.raises(MemoryPlanError) as refused:
+        common.prepare_trainer(spec, jax.devices()[:1], tmp_path, False)
+    message = str(refused.value)
+    assert "compiled" in message and "largest term is train_temporaries" in message
+    assert "model.remat: full" in message
+    assert loaded == []
+    assert "memory plan per device" in capsys.readouterr().err
+
+
 def _params(dtype="float32"):
     from locojax.model import create_model
 

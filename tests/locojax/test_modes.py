@@ -141,13 +141,14 @@ import json, sys
 from pathlib import Path
 
 from locojax.commands import _allow_rewards, configure_jax
-from locojax.modes import isolate_network, run_mode, spec_mode
+from locojax.modes import isolate_network, spec_mode
 from locojax.spec import load_spec
 
 spec = load_spec(sys.argv[1])
 _allow_rewards(spec, sys.argv[2], sys.argv[1])
 isolate_network(spec, None)
 configure_jax(spec_mode(spec).local_devices(spec.placement))
+from locojax.runner import run_mode  # JAX starts here, after the re-execution into the private network
 checkpoints, seen = Path(spec.output_dir) / "checkpoints", []
 
 

@@ -12,9 +12,9 @@ import pytest
 
 from locojax import metrics as m
 from locojax.demo import demo_specs
-from locojax.modes import run_mode
 from locojax.modes.common import load_policy
 from locojax.modes.sft import export_dir, reference_batch, run_sft
+from locojax.runner import run_mode
 from locojax.spec import RunSpec, SpecError, load_spec, parse_spec
 from locojax.tasks import make_task
 from locojax.tokenizer import ByteTokenizer

@@ -262,13 +262,13 @@ def test_cpu_steps_split_large_batches_into_micro_batches_of_bounded_slots():
     """Unset micro_batch_size: on CPU each device's rows are halved until a micro-batch holds at most
     CPU_MICRO_BATCH_SLOTS token slots (page faults of XLA:CPU's per-call buffer dominate beyond);
     accelerators and an explicit micro_batch_size are left alone."""
-    from locojax.train import CPU_MICRO_BATCH_SLOTS, _num_micro_batches
+    from locojax.placement.memory import CPU_MICRO_BATCH_SLOTS, num_micro_batches
 
     assert CPU_MICRO_BATCH_SLOTS == 8192
-    assert _num_micro_batches(512, None, 104, 1, "cpu") == 8  # 64 rows x 104 slots each
-    assert _num_micro_batches(1024, None, 104, 2, "cpu") == 8  # per device, as above
-    assert _num_micro_batches(64, None, 128, 1, "cpu") == 1  # exactly 8192 slots: whole
-    assert _num_micro_batches(96, None, 512, 1, "cpu") == 8  # 12 rows x 512 slots each
-    assert _num_micro_batches(6, None, 4096, 1, "cpu") == 2  # 3 rows: odd, cannot be halved evenly again
-    assert _num_micro_batches(512, None, 104, 1, "tpu") == 1
-    assert _num_micro_batches(512, 128, 104, 1, "cpu") == 4
+    assert num_micro_batches(512, None, 104, 1, "cpu") == 8  # 64 rows x 104 slots each
+    assert num_micro_batches(1024, None, 104, 2, "cpu") == 8  # per device, as above
+    assert num_micro_batches(64, None, 128, 1, "cpu") == 1  # exactly 8192 slots: whole
+    assert num_micro_batches(96, None, 512, 1, "cpu") == 8  # 12 rows x 512 slots each
+    assert num_micro_batches(6, None, 4096, 1, "cpu") == 2  # 3 rows: odd, cannot be halved evenly again
+    assert num_micro_batches(512, None, 104, 1, "tpu") == 1
+    assert num_micro_batches(512, 128, 104, 1, "cpu") == 4

@@ -40,6 +40,11 @@ MUTATING = {
     ("DELETE", "/api/v1/hosts/{name}"): "worker",
     ("POST", "/api/v1/tokens"): "admin",
     ("DELETE", "/api/v1/tokens/{token_id}"): "admin",
+    # A calibration is every user's: only an admin feeds or steers it (server/api/calibration.py).
+    ("POST", "/api/v1/calibration/observations"): "admin",
+    ("POST", "/api/v1/calibration/observations/{observation_id}/exclude"): "admin",
+    ("POST", "/api/v1/calibration/observations/{observation_id}/include"): "admin",
+    ("POST", "/api/v1/calibration/versions/{calibration_id}/activate"): "admin",
 }
 ADMIN_READS = {("GET", "/api/v1/tokens")}
 PUBLIC = {("GET", "/healthz"), ("GET", "/readyz")}
@@ -48,7 +53,8 @@ WRONG_SCOPES = {"submit": ["worker"], "worker": ["submit"], "admin": ["submit", 
 
 def _url(template: str) -> str:
     return (template.replace("{run_id}", "1").replace("{process_index}", "0").replace("{name}", "h0")
-            .replace("{token_id}", "99999").replace("{decision_id}", "1"))
+            .replace("{token_id}", "99999").replace("{decision_id}", "1").replace("{observation_id}", "1")
+            .replace("{calibration_id}", "1"))
 
 
 def _call(client, method: str, template: str, headers: dict[str, str]):

@@ -1,7 +1,7 @@
 """The CLI and the API refuse exactly the same bad specs with the same (field, message) pairs: both
-validate through `RunSpec` (its mode checks included) and `RunSpec.unknown_names`. The API names a
-field `spec.<path>` (the spec is the request body's `spec`), the CLI `<path>`; an error of the whole
-spec is `spec` on both."""
+validate through `RunSpec` (its mode checks included) and `locojax.rewards.unknown_names`. The API
+names a field `spec.<path>` (the spec is the request body's `spec`), the CLI `<path>`; an error of the
+whole spec is `spec` on both."""
 
 from __future__ import annotations
 

@@ -74,6 +74,11 @@ def test_two_host_co_run_through_celery_succeeds_with_every_metric(api: ApiClien
     measured = api.request("GET", f"/api/v1/placement/decisions/{decision['id']}")
     assert measured["measured_step_s"] == pytest.approx(final["measured_step_s"])
     assert measured["measured_run_id"] == run["id"]
+    # Priced on its hosts' hardware when they were reserved, and its end taught the placement model.
+    assert final["hardware"] == "local-cpu" and final["predicted"]["step_s"] > 0
+    mine = [o for o in api.list_observations(hardware="local-cpu")["data"] if o["run_id"] == run["id"]]
+    assert len(mine) == 1 and mine[0]["measured"]["steps"] == steps - 1 and mine[0]["finished"]
+    assert mine[0]["predicted"]["step_s"] == pytest.approx(final["predicted"]["step_s"])
 
 
 def test_cancel_mid_run_ends_cancelled_quickly_with_no_process_left(api: ApiClient):

@@ -28,7 +28,6 @@ from tests.conftest import session_processes
 from tests.e2e.faults import messages as every_message
 from tests.e2e.helpers import alive, host_pids, last_step, steps_of, tiny_spec, wait_final, wait_until
 from tests.e2e import netns
-from tests.worker import netns_hosts
 from tests.worker.planes import emptied_redis, plane_settings, stop_leaving_nothing
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.postgres, pytest.mark.redis]
@@ -252,18 +251,18 @@ NETNS_REDIS_DB = 12
 @pytest.fixture(scope="module")
 def netns_plane(postgres_url: str, tmp_path_factory: pytest.TempPathFactory):
     """The API in the machine's namespace; three workers, each in a network namespace of its own with its
-    own address on a bridge (tests/worker/netns_hosts.py), reaching the API and broker through it."""
-    reason = netns_hosts.available()
+    own address on a bridge (tests/e2e/netns.py), reaching the API and broker through it."""
+    reason = netns.available()
     if reason is not None:
         pytest.skip(reason)
     settings = plane_settings(tmp_path_factory.mktemp("netns-plane"), postgres_url,
                               emptied_redis(f"redis://127.0.0.1:6379/{NETNS_REDIS_DB}"))
     port = free_port()
-    with netns_hosts.NetnsHosts(3) as hosts:
+    with netns.NamespacedHosts(3) as hosts:
         control_plane = start(settings, hosts=0, port=port)  # the API only; the workers start below
-        bridge = hosts.bridge_address
-        forwards = [netns_hosts.Forwarder((bridge, port), ("127.0.0.1", port)),
-                    netns_hosts.Forwarder((bridge, 6379), ("127.0.0.1", 6379))]
+        bridge = hosts.machine_address
+        forwards = [netns.Forwarder((bridge, port), ("127.0.0.1", port)),
+                    netns.Forwarder((bridge, 6379), ("127.0.0.1", 6379))]
         try:
             env = settings.as_environment(LOCOJAX_URL=f"http://{bridge}:{port}", PYTHONUNBUFFERED="1",
                                           LOCOJAX_BROKER_URL=f"redis://{bridge}:6379/{NETNS_REDIS_DB}",

@@ -31,7 +31,7 @@ def hosts() -> Iterator[netns.NamespacedHosts]:
     why = netns.available()
     if why:
         pytest.skip(why)
-    namespaced = netns.NamespacedHosts(f"lj{os.getpid() % 10000}", HOSTS).create()
+    namespaced = netns.NamespacedHosts(HOSTS).create()
     try:
         yield namespaced
     finally:

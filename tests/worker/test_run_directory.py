@@ -1,5 +1,5 @@
-"""The host's own check of a run directory before anything is written (issue 17): the start message is
-not trusted to name a safe one."""
+"""The host's own checks before anything is written: the start message is not trusted to name a safe run
+directory (issue 17), nor a process of its run's layout (issue 39)."""
 
 from __future__ import annotations
 
@@ -113,3 +113,25 @@ def test_a_stored_spec_naming_a_checkpoint_directory_is_refused_before_anything_
                                 resume=False, output_dir=str(out))
     with pytest.raises(EngineStarted):
         supervisor.run()
+
+
+def test_a_message_for_a_process_outside_the_runs_layout_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                                              monkeypatch):
+    """The role picks the command line the run's mode gives the process (a CO host, an SC worker, a Ray
+    node, a controller): a message whose role or process count is not the stored run's layout is refused."""
+    import subprocess
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_engine)
+    out = tmp_path / "runs" / "7-mine"
+    for num_processes, role in ((1, "worker"), (1, "controller"), (2, "co")):  # the run: CO on one host
+        api = _StoredRun({"name": "mine", "steps": 2})
+        context = WorkerContext(host_name="h0", api=api, runs_root=tmp_path / "runs")  # type: ignore[arg-type]
+        supervisor = HostSupervisor(context, run_id=7, attempt=0, process_index=0, num_processes=num_processes,
+                                    role=role, resume=False, output_dir=str(out))
+        assert supervisor.run() == "refused"
+        [report] = api.reports
+        assert report["status"] == "FAILED" and "(its processes' roles: co)" in report["reason"], report
+        assert not out.exists()

@@ -3,7 +3,9 @@ predicted device/host/network split, the recommender's reason, and a link that o
 with that placement.
 
 Asking stores a placement decision (as the API's recommend does), so a run submitted from the top option
-carries the decision and later shows predicted beside measured step time. The answer lives at
+carries the decision and later shows predicted beside measured step time. Below the explorer, what the
+model learned from measured runs (`web.learning`): each hardware's prediction error per run over time,
+its observations and calibration versions, where an admin excludes an observation or returns to a version. The answer lives at
 `/placement?decision=<id>`: a plain form post redirects there, and htmx swaps in the options and puts
 that address in the location bar.
 """
@@ -14,7 +16,7 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 import anyio
-from fastapi import Query, Request
+from fastapi import Path, Query, Request
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from starlette.responses import RedirectResponse, Response
@@ -23,9 +25,11 @@ from server.api.deps import SessionDep
 from server.errors import InvalidInputError
 from server.models import PlacementDecision
 from server.schemas import PlacementRecommendRequest
+from server.services import calibration as calibration_service
 from server.services import placement as placement_service
 from web import forms
-from web.auth import SubmitterDep, Viewer, ViewerDep
+from web import learning as learning_view
+from web.auth import AdminDep, SubmitterDep, Viewer, ViewerDep
 from web.routing import dashboard_router
 from web.templating import is_htmx, render
 
@@ -49,14 +53,16 @@ def _options(decision: PlacementDecision) -> list[dict[str, Any]]:
     return views
 
 
-def _show(request: Request, values: dict[str, str], *, decision: PlacementDecision | None = None,
+def _show(request: Request, session: Session, values: dict[str, str], *, decision: PlacementDecision | None = None,
           errors: dict[str, list[str]] | None = None, status_code: int = 200,
           headers: dict[str, str] | None = None) -> Response:
     context = dict(values=values, field_errors=errors or {}, decision=decision,
                    options=_options(decision) if decision is not None else [], models=forms.model_names(),
                    hardware=forms.hardware_names(), workloads=forms.workload_names())
-    return render(request, "_placement_explorer.html" if is_htmx(request) else "placement.html",
-                  status_code=status_code, headers=headers, **context)
+    if is_htmx(request):
+        return render(request, "_placement_explorer.html", status_code=status_code, headers=headers, **context)
+    return render(request, "placement.html", status_code=status_code, headers=headers,
+                  learning=learning_view.learning(session), **context)
 
 
 @router.get("/placement")
@@ -67,7 +73,7 @@ def explorer(request: Request, session: SessionDep, _: ViewerDep,
     if decision is not None:
         found = placement_service.get(session, decision)
         values.update({name: str(value) for name, value in found.request.items() if value is not None})
-    return _show(request, values, decision=found)
+    return _show(request, session, values, decision=found)
 
 
 @router.post("/placement")
@@ -85,14 +91,38 @@ def _explore(request: Request, values: dict[str, str], session: Session, viewer:
     except ValidationError as exc:
         for field, message in forms.validation_errors(exc):
             errors.setdefault(field if field in REQUEST_FIELDS else "form", []).append(message)
-        return _show(request, values, errors=errors, status_code=422)
+        return _show(request, session, values, errors=errors, status_code=422)
     except InvalidInputError as exc:
         session.rollback()
         for item in exc.details if isinstance(exc.details, list) else [{"field": "", "message": exc.message}]:
             field = str(item.get("field", ""))
             errors.setdefault(field if field in REQUEST_FIELDS else "form", []).append(str(item.get("message")))
-        return _show(request, values, errors=errors, status_code=422)
+        return _show(request, session, values, errors=errors, status_code=422)
     location = f"/placement?decision={decision.id}"
     if not is_htmx(request):
         return RedirectResponse(location, status_code=303)
-    return _show(request, values, decision=decision, headers={"HX-Push-Url": location})
+    return _show(request, session, values, decision=decision, headers={"HX-Push-Url": location})
+
+
+# --- what the model learned: an admin excludes an observation or returns to a calibration version ---
+
+def _learning_changed(request: Request, session: Session) -> Response:
+    """htmx: the learning section anew; a plain form: back to the page."""
+    if not is_htmx(request):
+        return RedirectResponse("/placement#placement-learning", status_code=303)
+    return render(request, "_placement_learning.html", learning=learning_view.learning(session))
+
+
+@router.post("/placement/observations/{observation_id:int}/{action}")
+def set_observation(request: Request, observation_id: Annotated[int, Path(ge=1, le=2**31 - 1)],
+                    action: Annotated[str, Path(pattern="^(exclude|include)$")], session: SessionDep,
+                    viewer: AdminDep) -> Response:
+    calibration_service.set_excluded(session, observation_id, action == "exclude", by=viewer.name)
+    return _learning_changed(request, session)
+
+
+@router.post("/placement/calibrations/{calibration_id:int}/activate")
+def activate_calibration(request: Request, calibration_id: Annotated[int, Path(ge=1, le=2**31 - 1)],
+                         session: SessionDep, viewer: AdminDep) -> Response:
+    calibration_service.activate(session, calibration_id, by=viewer.name)
+    return _learning_changed(request, session)

@@ -20,7 +20,7 @@ from server.models import RunStatus
 from server.services import dashboard as dashboard_service
 from server.services import events as event_service
 from server.services import runs as run_service
-from web import run_page
+from web import learning, run_page
 from web.auth import SubmitterDep, Viewer, ViewerDep
 from web.routing import dashboard_router
 from web.templating import is_htmx, render, templates
@@ -69,6 +69,7 @@ def run_detail(request: Request, run_id: RunId, session: SessionDep, settings: S
         request, "run.html", run=run, header=run_page.header(run, latest), latest=latest,
         processes=run_page.host_processes(session, run, settings), events=events,
         last_event_id=events[-1].id if events else 0, decision=run_page.decision(session, run, latest),
+        prediction=learning.run_prediction(session, run, latest, settings),
         charts=run_page.charts(session, run_id, settings),
     )
 
@@ -96,6 +97,14 @@ def run_decision(request: Request, run_id: RunId, session: SessionDep, _: Viewer
     run = run_service.get(session, run_id)
     return render(request, "_run_decision.html", run=run,
                   decision=run_page.decision(session, run, run_page.latest(session, run_id)))
+
+
+@router.get("/runs/{run_id:int}/prediction")
+def run_prediction(request: Request, run_id: RunId, session: SessionDep, settings: SettingsDep,
+                   _: ViewerDep) -> Response:
+    run = run_service.get(session, run_id)
+    return render(request, "_run_prediction.html", run=run,
+                  prediction=learning.run_prediction(session, run, run_page.latest(session, run_id), settings))
 
 
 @router.get("/runs/{run_id:int}/charts.json")

@@ -93,7 +93,9 @@
     if (!target || typeof uPlot === "undefined") return;
     var raw = [];
     var shape = layout(chart, raw);
-    var scales = {x: {time: false}};
+    // Most charts run over steps; the placement page's error chart runs over time (x in Unix seconds).
+    var scales = {x: {time: !!chart.time}};
+    if (chart.time) shape.series[0].label = "time";
     // A stack is read from zero; an unstacked line is read best zoomed to its own range.
     if (chart.stacked) scales.y = {range: function (u, low, high) { return [0, high > 0 ? high * 1.05 : 1]; }};
     // A flat series (reward 0 for every step) would get uPlot's default 0..100; pad around its value.
@@ -104,7 +106,7 @@
     }};
     var plot = new uPlot({
       width: plotWidth(figure), height: 200, series: shape.series, bands: shape.bands, scales: scales,
-      axes: [{label: "step", incrs: STEP_INCREMENTS}, {size: 60}], legend: {live: true},
+      axes: [chart.time ? {} : {label: "step", incrs: STEP_INCREMENTS}, {size: 60}], legend: {live: true},
       cursor: {drag: {x: true, y: false}},
     }, shape.data, target);
     plots.set(figure.id, {plot: plot, raw: raw});

@@ -1,0 +1,83 @@
+"""The memory plan of a run on an accelerator, read from the programs XLA compiles for that chip.
+
+The analytic plan (`locojax.placement.memory`) counts every term from the model's shapes with factors
+measured from XLA:CPU's buffer assignment; on a TPU it over-stated the device peak by 2-3x (a
+Qwen3-0.6B bfloat16 run of 128 rows: planned 13.1 GiB, peak 4.5 GiB; ../shared/reference/TPU.md), and
+refused runs that fit. On accelerators the engine therefore compiles the run's large programs ahead of
+time from abstract shapes (nothing is allocated) and takes XLA's own memory analysis of each:
+
+  * persistent: the train state (params, AdamW moments, step, key) as the train step receives it,
+    plus the frozen KL reference and the replicated copy rollout decodes from when training shards
+    the params (FSDP/tensor);
+  * train: the step's temporaries (gradients, activations, logit chunks), its batch and the outputs
+    it does not write over its donated state;
+  * rollout: the generate program's temporaries (KV cache, sampling logits), its prompts and outputs;
+  * reference: the KL reference pass's, when the run has one.
+The peak is persistent + the largest of the transients (they run one after another on the chip).
+
+The programs compiled here are the ones the run then calls: JAX keeps them, keyed by the same shapes
+and shardings, so the run's first step reuses them instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+
+from locojax.placement.memory import MemoryPlan, MeshShape, device_capacity
+
+
+def _device_bytes(tree: Any) -> float:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs carrying shardings."""
+    total = 0.0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def _analysis(jitted: Callable, *abstract_args) -> Any:
+    return jitted.lower(*abstract_args).compile().memory_analysis()
+
+
+def _transient(analysis, argument_bytes: float) -> dict[str, float]:
+    """What a program needs beyond the persistent buffers among its arguments: its temporaries, the
+    rest of its arguments, and the outputs that do not overwrite a donated argument."""
+    return {"temporaries": float(analysis.temp_size_in_bytes),
+            "inputs": max(0.0, analysis.argument_size_in_bytes - argument_bytes),
+            "outputs": max(0.0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)}
+
+
+def compiled_plan(*, train_step: Callable, abstract_state: Any, abstract_batch: dict, devices: Sequence[jax.Device],
+                  mesh: MeshShape, remat: str, dtype: str,
+                  rollout: tuple[Callable, tuple] | None = None, rollout_params: Any = None,
+                  reference: tuple[Callable, tuple] | None = None, reference_params: Any = None) -> MemoryPlan:
+    """The plan of a run from its compiled programs: `train_step` (jitted) on the abstract state and
+    batch; `rollout` = (jitted generate, its abstract arguments, params first), whose params are
+    `rollout_params` (the same buffers as the state's params unless training shards them);
+    `reference` = (jitted KL log-prob pass, its abstract arguments, reference params first)."""
+    state_bytes = _device_bytes(abstract_state)
+    params_bytes = _device_bytes(abstract_state.params)
+    persistent = {"params": params_bytes, "optimizer": state_bytes - params_bytes}
+    train = {f"train_{name}": value
+             for name, value in _transient(_analysis(train_step, abstract_state, abstract_batch), state_bytes).items()}
+    rollout_terms: dict[str, float] = {}
+    if rollout is not None:
+        generate, arguments = rollout
+        held = _device_bytes(arguments[0])
+        if rollout_params is not None:
+            persistent["rollout_params"] = held
+        rollout_terms = {f"rollout_{name}": value
+                         for name, value in _transient(_analysis(generate, *arguments), held).items()}
+    reference_terms: dict[str, float] = {}
+    if reference is not None:
+        logprobs, arguments = reference
+        held = _device_bytes(arguments[0])
+        persistent["reference"] = held
+        reference_terms = {f"reference_{name}": value
+                           for name, value in _transient(_analysis(logprobs, *arguments), held).items()}
+    capacity, capacity_name, runtime = device_capacity(devices)
+    return MemoryPlan(persistent, train, rollout_terms, runtime, mesh, remat, dtype, capacity, capacity_name,
+                      reference=reference_terms, source="compiled")
