@@ -29,7 +29,8 @@ class Policy:
 def _policy_config(spec: RunSpec) -> ModelConfig:
     """The config `load_policy` builds, read without building the model (a HF directory's config.json)."""
     if not spec.model.checkpoint:
-        return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
+        return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype,
+                                                      scan_layers=spec.model.scan_layers)
     import json
 
     from locojax.model.hf import config_from_hf
@@ -39,7 +40,7 @@ def _policy_config(spec: RunSpec) -> ModelConfig:
         raise FileNotFoundError(f"model.checkpoint: {path} holds no config.json (expected a HF directory, "
                                 "e.g. <output_dir>/model of a finished SFT run)")
     return config_from_hf(json.loads((path / "config.json").read_text(encoding="utf-8")), name=path.name,
-                          dtype=spec.model.dtype)
+                          dtype=spec.model.dtype).replace(scan_layers=spec.model.scan_layers)
 
 
 def abstract_policy(spec: RunSpec) -> Policy:
@@ -64,10 +65,9 @@ def load_policy(spec: RunSpec) -> Policy:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.checkpoint: {path} holds no config.json (expected a HF directory, "
                                     "e.g. <output_dir>/model of a finished SFT run)")
-        model = load_hf_checkpoint(path, dtype=spec.model.dtype)
+        model = load_hf_checkpoint(path, dtype=spec.model.dtype, scan_layers=spec.model.scan_layers)
     else:
-        config = get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype)
-        model = create_model(config, seed=spec.seed)
+        model = create_model(_policy_config(spec), seed=spec.seed)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"model.tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
                          f"{model.config.vocab_size}")

@@ -1,12 +1,13 @@
 """Rollout: one jitted function per (batch, prompt length, sampling config) that samples completions.
 
-Prefill writes the left-padded prompts into a per-layer KV cache; a `lax.while_loop` then decodes
-one token per iteration until every row has emitted EOS or `max_new_tokens` is reached. The whole
-loop runs inside one XLA computation, so the host pays one dispatch per rollout, not one per token
-(STYLE habit 2). The decode state is a single `DecodeState` pytree carried by the loop. Because
-the state (KV cache included) is created inside the computation and is the loop's carry, XLA
-updates it in place with no buffer to donate across the call boundary — the effect Tunix gets by
-donating its state to separate prefill and decode jits, without the second dispatch.
+Prefill writes the left-padded prompts into the KV cache (`locojax.model.Cache`); a
+`lax.while_loop` then decodes one token per iteration until every row has emitted EOS or
+`max_new_tokens` is reached. The whole loop runs inside one XLA computation, so the host pays one
+dispatch per rollout, not one per token (STYLE habit 2). The decode state is a single `DecodeState`
+pytree carried by the loop. Because the state (KV cache included) is created inside the computation
+and is the loop's carry, XLA updates it in place with no buffer to donate across the call boundary
+— the effect Tunix gets by donating its state to separate prefill and decode jits, without the
+second dispatch.
 
 Data parallel over the host's *local* devices only: the batch is sharded over a 1-D mesh of
 `jax.local_devices()` (params replicated), so a rollout never causes cross-host traffic
@@ -34,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from locojax.model import Cache, ModelConfig, forward, init_cache, positions_from_mask
+from locojax.model import Cache, ModelConfig, forward, init_cache, layer_params, positions_from_mask
 from locojax.tokenizer import Tokenizer, pad_left
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class DecodeState:
     """Everything the decode loop carries from one token to the next."""
 
     step: jax.Array  # [] int32: tokens sampled so far; the next one goes to column `step`
-    cache: Cache  # per layer (k, v), each [B, S, K, Dh]
+    cache: Cache  # every layer's keys and values for S slots (its layout: locojax.model.Cache)
     kv_mask: jax.Array  # [B, S] bool: cache slots holding real tokens
     last_token: jax.Array  # [B] int32: the token to feed next (sampled, not yet in the cache)
     position: jax.Array  # [B] int32: rotary position of last_token
@@ -247,7 +248,7 @@ def _prefill(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, c
 
     # Prefill: the whole prompt in one pass, writing slots [0, P) of the cache. Only the last slot's
     # logits are needed: the full [B, P, V] ones were 0.9 GB and 0.5 TFLOP at 0.6B (16 rows x 96 slots).
-    cache = constrain(init_cache(config, batch, slots))
+    cache = init_cache(config, batch, slots).batch_sharded(batch_sharding)
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, slots - prompt_len), bool)], axis=1)  # [B, S]
     logits, cache = forward(graphdef, params, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache, 0,
                             output_slots=(prompt_len - 1, prompt_len))
@@ -278,11 +279,15 @@ def _decode(graphdef, params, state: DecodeState, *, prompt_len: int, sampling: 
     def keep_going(state: DecodeState) -> jax.Array:
         return (state.step < n) & ~jnp.all(state.done)
 
+    # Sliced out of the stacked parameters once, not per token: XLA does not hoist the slices out of
+    # the loop, and on XLA:CPU each is a copy of the layer's weights.
+    layers = layer_params(graphdef, params)
+
     def decode_one(state: DecodeState) -> DecodeState:
         slot = prompt_len + state.step - 1  # where last_token goes in the cache
         kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((batch, 1), bool), (0, slot))
         logits, cache = forward(graphdef, params, state.last_token[:, None], state.position[:, None], kv_mask,
-                                state.cache, slot)
+                                state.cache, slot, layers=layers)
         token, logprob = sample_tokens(logits[:, 0], _token_keys(state.key, state.step), sampling)
         # Rows that already finished keep emitting padding (their work is wasted but shapes stay static).
         token = jnp.where(state.done, sampling.pad_id, token)

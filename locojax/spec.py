@@ -39,6 +39,10 @@ class ModelSpec(_Strict):
         "none", description="activation rematerialisation in training: none keeps every layer's activations "
         "for the backward pass, full keeps each layer's input only and recomputes the layer (less memory, "
         "about a third more FLOPs); see locojax.placement.memory")
+    scan_layers: Literal["auto"] | bool = Field(
+        "auto", description="how the forward runs the decoder layers, whose parameters are stacked either way: "
+        "true under one lax.scan (XLA compiles one layer body, not one per layer: far shorter first steps), "
+        "false unrolled; auto: unrolled on CPU, where it runs faster, scanned on accelerators")
 
     @field_validator("preset")
     @classmethod

@@ -10,7 +10,8 @@ import importlib
 
 from locojax.model.config import PRESETS, ModelConfig, get_preset, param_count
 
-_DECODER_NAMES = ("Cache", "Transformer", "create_model", "forward", "init_cache", "positions_from_mask")
+_DECODER_NAMES = ("Cache", "Transformer", "create_model", "forward", "init_cache", "layer_params",
+                  "positions_from_mask")
 
 
 def __getattr__(name: str):

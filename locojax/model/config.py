@@ -12,6 +12,12 @@ from typing import Literal
 
 Architecture = Literal["qwen3", "llama"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
+ScanLayers = Literal["auto"] | bool
+
+# What `scan_layers: auto` picks per JAX platform (`jax.default_backend()`); a platform not named here
+# scans. XLA:CPU runs the unrolled layers faster (README, "The model"); on accelerators the compile time
+# of one layer body instead of N is the point.
+SCAN_LAYERS_AUTO: dict[str, bool] = {"cpu": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +44,9 @@ class ModelConfig:
     max_seq_len: int = 4096
     param_dtype: DTypeName = "float32"
     dtype: DTypeName = "float32"  # compute dtype of matmuls; norms and softmax stay float32
+    # How the forward iterates the (always stacked) layers: under one `lax.scan` (XLA compiles one
+    # layer body) or unrolled; "auto" decides per platform (`SCAN_LAYERS_AUTO`).
+    scan_layers: ScanLayers = "auto"
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
@@ -49,9 +58,17 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.scan_layers not in ("auto", True, False):
+            raise ValueError(f"ModelConfig.scan_layers must be 'auto', True or False, got {self.scan_layers!r}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def scans_layers(self, platform: str) -> bool:
+        """Whether the forward runs the layers under `lax.scan` on `platform` (a JAX backend name)."""
+        if self.scan_layers == "auto":
+            return SCAN_LAYERS_AUTO.get(platform, True)
+        return bool(self.scan_layers)
 
     @property
     def q_per_kv(self) -> int:

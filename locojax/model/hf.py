@@ -2,7 +2,8 @@
 
 A directory holds `config.json` and either `model.safetensors` or a sharded
 `model.safetensors.index.json`. Linear weights are [out, in] on both sides (ours split the heads'
-axis into (heads, head_dim)), so loading and export only reshape — the round trip is exact.
+axis into (heads, head_dim)), so loading and export only reshape — the round trip is exact. Each
+per-layer tensor `model.layers.{i}.*` is row i of our stacked layer parameter (`layers` axis first).
 Nothing is downloaded: paths are local.
 """
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from locojax.model.config import ModelConfig
+from locojax.model.config import ModelConfig, ScanLayers
 from locojax.model.hf_config import CheckpointError, config_from_hf  # noqa: F401  (the names this module's users import)
 from locojax.model.transformer import Transformer
 
@@ -44,8 +45,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-# One row per tensor: (HF name, path in our state, HF array -> ours, ours -> HF array).
-Mapping = tuple[str, tuple[Any, ...], Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
+# One row per tensor: (HF name, path in our state, layer, HF array -> ours, ours -> HF array). `layer`:
+# the tensor's index on the leading axis of a stacked decoder parameter (None for the others).
+Mapping = tuple[str, tuple[str, ...], int | None, Callable[[np.ndarray], np.ndarray],
+                Callable[[np.ndarray], np.ndarray]]
 
 
 def _tensor_map(c: ModelConfig) -> list[Mapping]:
@@ -58,27 +61,27 @@ def _tensor_map(c: ModelConfig) -> list[Mapping]:
         lambda a: a.reshape(c.d_model, c.n_heads, c.head_dim),
         lambda a: a.reshape(c.d_model, c.n_heads * c.head_dim),
     )
-    rows: list[Mapping] = [("model.embed_tokens.weight", ("embed",), *ident),
-                           ("model.norm.weight", ("final_norm", "weight"), *ident)]
+    rows: list[Mapping] = [("model.embed_tokens.weight", ("embed",), None, *ident),
+                           ("model.norm.weight", ("final_norm", "weight"), None, *ident)]
     if not c.tie_embeddings:
-        rows.append(("lm_head.weight", ("lm_head",), *ident))
+        rows.append(("lm_head.weight", ("lm_head",), None, *ident))
     for i in range(c.n_layers):
-        hf, ours = f"model.layers.{i}", ("layers", i)
+        hf = f"model.layers.{i}"
         rows += [
-            (f"{hf}.input_layernorm.weight", (*ours, "input_norm", "weight"), *ident),
-            (f"{hf}.post_attention_layernorm.weight", (*ours, "post_attention_norm", "weight"), *ident),
-            (f"{hf}.self_attn.q_proj.weight", (*ours, "attention", "q_proj"), *heads_in(c.n_heads)),
-            (f"{hf}.self_attn.k_proj.weight", (*ours, "attention", "k_proj"), *heads_in(c.n_kv_heads)),
-            (f"{hf}.self_attn.v_proj.weight", (*ours, "attention", "v_proj"), *heads_in(c.n_kv_heads)),
-            (f"{hf}.self_attn.o_proj.weight", (*ours, "attention", "o_proj"), *heads_out),
-            (f"{hf}.mlp.gate_proj.weight", (*ours, "mlp", "gate_proj"), *ident),
-            (f"{hf}.mlp.up_proj.weight", (*ours, "mlp", "up_proj"), *ident),
-            (f"{hf}.mlp.down_proj.weight", (*ours, "mlp", "down_proj"), *ident),
+            (f"{hf}.input_layernorm.weight", ("layers", "input_norm", "weight"), i, *ident),
+            (f"{hf}.post_attention_layernorm.weight", ("layers", "post_attention_norm", "weight"), i, *ident),
+            (f"{hf}.self_attn.q_proj.weight", ("layers", "attention", "q_proj"), i, *heads_in(c.n_heads)),
+            (f"{hf}.self_attn.k_proj.weight", ("layers", "attention", "k_proj"), i, *heads_in(c.n_kv_heads)),
+            (f"{hf}.self_attn.v_proj.weight", ("layers", "attention", "v_proj"), i, *heads_in(c.n_kv_heads)),
+            (f"{hf}.self_attn.o_proj.weight", ("layers", "attention", "o_proj"), i, *heads_out),
+            (f"{hf}.mlp.gate_proj.weight", ("layers", "mlp", "gate_proj"), i, *ident),
+            (f"{hf}.mlp.up_proj.weight", ("layers", "mlp", "up_proj"), i, *ident),
+            (f"{hf}.mlp.down_proj.weight", ("layers", "mlp", "down_proj"), i, *ident),
         ]
         if c.qk_norm:
             rows += [
-                (f"{hf}.self_attn.q_norm.weight", (*ours, "attention", "q_norm", "weight"), *ident),
-                (f"{hf}.self_attn.k_norm.weight", (*ours, "attention", "k_norm", "weight"), *ident),
+                (f"{hf}.self_attn.q_norm.weight", ("layers", "attention", "q_norm", "weight"), i, *ident),
+                (f"{hf}.self_attn.k_norm.weight", ("layers", "attention", "k_norm", "weight"), i, *ident),
             ]
     return rows
 
@@ -128,8 +131,9 @@ def _read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, np.ndar
     return tensors
 
 
-def load_hf_checkpoint(directory: str | Path, dtype: str = "float32") -> Transformer:
-    """Build a Transformer from a local HF directory. Errors name the missing file or mismatched tensor."""
+def load_hf_checkpoint(directory: str | Path, dtype: str = "float32", scan_layers: ScanLayers = "auto") -> Transformer:
+    """Build a Transformer from a local HF directory. Errors name the missing file or mismatched tensor.
+    `scan_layers`: the config's (how the forward iterates the layers; the parameters are the same)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -138,27 +142,35 @@ def load_hf_checkpoint(directory: str | Path, dtype: str = "float32") -> Transfo
         hf_config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
-    config = config_from_hf(hf_config, name=directory.name, dtype=dtype)
+    config = config_from_hf(hf_config, name=directory.name, dtype=dtype).replace(scan_layers=scan_layers)
     # Tied configs may still ship an lm_head copy; ignore it then.
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     rows = _tensor_map(config)
     tensors = _read_tensors(_safetensors_files(directory), [row[0] for row in rows])
-    for hf_name, path, to_ours, _ in rows:
-        variable = _variable_at(state, path)
-        expected = tuple(variable.get_value().shape)
+    values: dict[tuple[str, ...], np.ndarray] = {}  # path -> our value, stacked layers filled in one by one
+    for hf_name, path, layer, to_ours, _ in rows:
+        shape = tuple(_variable_at(state, path).get_value().shape)
+        expected = shape if layer is None else shape[1:]
+        tensor = tensors.pop(hf_name)  # dropped once copied: loading holds about one extra model copy
         try:
-            value = to_ours(tensors[hf_name])
+            value = to_ours(tensor)
         except ValueError:  # a reshape that cannot fit: the same mismatch, reported below
-            value = tensors[hf_name]
+            value = tensor
         if value.shape != expected:
             raise CheckpointError(
-                f"tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)}; the config expects a tensor "
+                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; the config expects a tensor "
                 f"that maps to {expected}"
             )
+        if layer is None:
+            values[path] = value
+        else:
+            values.setdefault(path, np.empty(shape, value.dtype))[layer] = value
+    for path in list(values):
         # A copy JAX owns: now that loading only reshapes, asarray would alias the reader's buffers on CPU,
         # which the train step cannot donate (the 0.6B run's peak RSS rose 1.5 GiB).
-        variable.set_value(jnp.array(value, dtype=jnp.dtype(config.param_dtype), copy=True))
+        value = values.pop(path)
+        _variable_at(state, path).set_value(jnp.array(value, dtype=jnp.dtype(config.param_dtype), copy=True))
     return nnx.merge(graphdef, state)
 
 
@@ -179,11 +191,14 @@ def save_hf_checkpoint(model: Transformer, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config
     _, state = nnx.split(model)
+    host: dict[tuple[str, ...], np.ndarray] = {}  # path -> one host copy of our value
     tensors = {}
-    for hf_name, path, _, to_hf in _tensor_map(config):
+    for hf_name, path, layer, _, to_hf in _tensor_map(config):
         # Host arrays, row-major after the reshape: handing device arrays to safetensors.flax would let it
         # take the raw memory of whatever layout np.asarray returns (see `row_major`).
-        tensors[hf_name] = row_major(to_hf(row_major(_variable_at(state, path)[...])))
+        if path not in host:
+            host[path] = row_major(_variable_at(state, path)[...])
+        tensors[hf_name] = row_major(to_hf(host[path] if layer is None else host[path][layer]))
     (directory / "config.json").write_text(json.dumps(config_to_hf(config), indent=2), encoding="utf-8")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory

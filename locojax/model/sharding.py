@@ -28,6 +28,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "norm": None,
     "length": None,
+    "layers": None,  # the stacked decoder layers' leading axis: every device holds all layers' shards
 }
 
 

@@ -11,22 +11,31 @@ Parameters carry *logical* axis names in their `axes` metadata (`embed`, `heads`
 [out, in] (the Hugging Face / PyTorch layout): a decode step multiplies each weight by a few rows,
 and XLA:CPU streams a weight whose contracted axis is contiguous 1.5-2x faster (`_linear`).
 
+The decoder layers are stored as ONE `DecoderLayer` whose every parameter carries a leading
+`layers` axis [L, ...] (MaxText's layout). The forward runs them either under `jax.lax.scan` over
+that axis, so XLA compiles one layer body instead of L, or unrolled over static slices
+(`ModelConfig.scan_layers`); the parameters, and so checkpoints, Hugging Face files and optimizer
+state, are the same either way. Only the KV cache takes the form its path reads best (`Cache`).
+
 Shapes: B batch, T new tokens this call, S cache slots, D d_model, H heads, K kv heads,
-G = H/K query heads per kv head, Dh head_dim, F d_ff, V vocab.
+G = H/K query heads per kv head, Dh head_dim, F d_ff, V vocab, L layers.
 """
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from locojax.model.config import ModelConfig
 
-# Per-layer (keys, values), each [B, K, S, Dh]. A list of per-layer arrays updated with
-# dynamic_update_slice beat one stacked array by 1.6-2.6x (PITFALLS.md).
-LayerCache = tuple[jax.Array, jax.Array]
-Cache = list[LayerCache]
+LAYER_AXIS = "layers"  # the logical name of the stacked parameters' leading axis
+
+# What a rematerialised layer keeps for the backward pass, by `remat` name (None: no remat).
+# "full": nothing but the layer's input. A MaxText-style policy (e.g. saving the matmul outputs,
+# `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) would be one more entry.
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable}
 
 _MASKED = -1e30  # finite so a fully masked row (a pad query) gives a uniform softmax, not NaN
 
@@ -115,6 +124,88 @@ def _swiglu_bwd(residuals, grad):
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+@flax.struct.dataclass
+class Cache:
+    """The KV cache of every layer; the one place that knows its layout, how new tokens are written
+    into it and how attention reads it. Per layer:
+
+        keys   [B, K, Dh, S]
+        values [B, K, S, Dh]
+
+    Both attention products are dot_generals with the few query rows (Tq x G) on the left:
+    q [G, Dh] @ keys [Dh, S], then probs [G, S] @ values [S, Dh], each reading its cache in place
+    with the slots as the long, contiguous axis. Keys slot-major like the values made XLA:CPU run the
+    scores 2x slower (a batched dot with the cache on the left), and the same products as einsums
+    let it put the cache on the left and contract over its second-minor axis, 4x slower still. At
+    0.6B and 16 rows this cut the decode step's attention from ~55 to ~35 ms (bench/scale.py).
+
+    The layers are held in one of two forms, matching how the forward runs them:
+      * stacked (scanned layers): `keys` [L, B, K, Dh, S] and `values` [L, B, K, S, Dh], carried
+        through the layer scan; a layer reads its slice by a traced index.
+      * per layer (unrolled layers): `keys` and `values` are tuples of L arrays. XLA:CPU copies a
+        slice of a stacked array before a matmul reads it, which would copy the whole cache every
+        decode step; separate arrays are read where they lie.
+    Either way a write touches only the new tokens' slots of one layer (`dynamic_update_slice`), so
+    the decode loop (and the layer scan) update the buffers in place."""
+
+    keys: jax.Array | tuple[jax.Array, ...]
+    values: jax.Array | tuple[jax.Array, ...]
+
+    @classmethod
+    def create(cls, config: ModelConfig, batch: int, max_len: int, dtype: str | None = None, *,
+               stacked: bool) -> "Cache":
+        """An empty cache of `max_len` slots (zeros; the caller's kv_mask says which slots are real)."""
+        dt = _dtype(dtype or config.dtype)
+        keys = (batch, config.n_kv_heads, config.head_dim, max_len)
+        values = (batch, config.n_kv_heads, max_len, config.head_dim)
+        if stacked:
+            return cls(keys=jnp.zeros((config.n_layers, *keys), dt), values=jnp.zeros((config.n_layers, *values), dt))
+        return cls(keys=tuple(jnp.zeros(keys, dt) for _ in range(config.n_layers)),
+                   values=tuple(jnp.zeros(values, dt) for _ in range(config.n_layers)))
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.keys, tuple)
+
+    def write(self, layer, keys: jax.Array, values: jax.Array, index) -> "Cache":
+        """`keys`, `values` [B, T, K, Dh] into slots index..index+T-1 of `layer`."""
+        keys = keys.transpose(0, 2, 3, 1)  # [B, K, Dh, T]
+        values = values.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+        if self.stacked:
+            return Cache(
+                keys=jax.lax.dynamic_update_slice(self.keys, keys[None].astype(self.keys.dtype),
+                                                  (layer, 0, 0, 0, index)),
+                values=jax.lax.dynamic_update_slice(self.values, values[None].astype(self.values.dtype),
+                                                    (layer, 0, 0, index, 0)))
+        old_keys, old_values = self.keys[layer], self.values[layer]
+        new_keys = jax.lax.dynamic_update_slice(old_keys, keys.astype(old_keys.dtype), (0, 0, 0, index))
+        new_values = jax.lax.dynamic_update_slice(old_values, values.astype(old_values.dtype), (0, 0, index, 0))
+        return Cache(keys=(*self.keys[:layer], new_keys, *self.keys[layer + 1:]),
+                     values=(*self.values[:layer], new_values, *self.values[layer + 1:]))
+
+    def scores(self, layer, query_rows: jax.Array) -> jax.Array:
+        """`query_rows` [B, K, R, Dh] against every slot of `layer`: [B, K, R, S]."""
+        keys = _layer_of(self.keys, layer).astype(query_rows.dtype)
+        return jax.lax.dot_general(query_rows, keys, (((3,), (2,)), ((0, 1), (0, 1))))
+
+    def mix(self, layer, prob_rows: jax.Array) -> jax.Array:
+        """Attention weights `prob_rows` [B, K, R, S] over `layer`'s values: [B, K, R, Dh]."""
+        values = _layer_of(self.values, layer).astype(prob_rows.dtype)
+        return jax.lax.dot_general(prob_rows, values, (((3,), (2,)), ((0, 1), (0, 1))))
+
+    def batch_sharded(self, batch_sharding: jax.sharding.NamedSharding) -> "Cache":
+        """Constrained to `batch_sharding` (a batch-first array's) on its batch axis, the layer axis whole."""
+        spec = (None, *batch_sharding.spec) if self.stacked else tuple(batch_sharding.spec)
+        sharding = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.lax.with_sharding_constraint(self, sharding)
+
+
+def _layer_of(arrays: jax.Array | tuple[jax.Array, ...], layer) -> jax.Array:
+    if isinstance(arrays, tuple):
+        return arrays[layer]
+    return jax.lax.dynamic_index_in_dim(arrays, layer, keepdims=False)
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
@@ -131,9 +222,11 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps, pd, "head_dim")
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps, pd, "head_dim")
 
-    def __call__(self, x, sin, cos, mask, layer_cache: LayerCache | None, cache_index,
+    def __call__(self, x, sin, cos, mask, cache: Cache | None, layer, cache_index,
                  query_slots: tuple[int, int] | None = None, decode: bool = False):
-        """`query_slots` (start, stop): keys and values of all T slots (written to the cache when there
+        """`cache`: every layer's, of which this is layer `layer`; returned with this call's keys and
+        values written at slots cache_index.. .
+        `query_slots` (start, stop): keys and values of all T slots (written to the cache when there
         is one), but queries (and so the output, [B, stop-start, D]) only for slots start..stop-1;
         `mask` is still [B, T, S].
         `decode`: this is a one-token step on a cache (the caller decides it once for every layer)."""
@@ -160,39 +253,27 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, sin_q, cos_q), apply_rope(k, sin, cos)
 
         q = q.reshape(b, tq, c.n_kv_heads, c.q_per_kv, c.head_dim)  # [B, Tq, K, G, Dh]
-        v = v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
-        if layer_cache is None:
+        if cache is None:
             k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
             scores = jnp.einsum("btkgh,bksh->bkgts", q, k)
         else:
-            # A cache keeps keys as [B, K, Dh, S] and values as [B, K, S, Dh], and both attention
-            # products are written as dot_generals with the few query rows (Tq x G) on the left:
-            # q [G, Dh] @ keys [Dh, S], then probs [G, S] @ values [S, Dh], each reading its cache
-            # in place with the slots as the long, contiguous axis. Keys slot-major like the values
-            # made XLA:CPU run the scores 2x slower (a batched dot with the cache on the left), and
-            # the same products as einsums let it put the cache on the left and contract over its
-            # second-minor axis, 4x slower still. At 0.6B and 16 rows this cut the decode step's
-            # attention from ~55 to ~35 ms (bench/scale.py).
-            cache_k, cache_v = layer_cache
-            k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 3, 1).astype(cache_k.dtype),
-                                             (0, 0, 0, cache_index))
-            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, cache_index, 0))
-            layer_cache = (k, v)
+            cache = cache.write(layer, k, v, cache_index)
             q_rows = q.transpose(0, 2, 1, 3, 4).reshape(b, c.n_kv_heads, tq * c.q_per_kv, c.head_dim)
-            scores = jax.lax.dot_general(q_rows, k.astype(dt), (((3,), (2,)), ((0, 1), (0, 1))))
+            scores = cache.scores(layer, q_rows)  # [B, K, Tq*G, S]
             scores = scores.reshape(b, c.n_kv_heads, tq, c.q_per_kv, -1).transpose(0, 1, 3, 2, 4)
         scores = scores.astype(jnp.float32) * (c.head_dim**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        if layer_cache is None:
+        if cache is None:
+            v = v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
             out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b * tq, c.n_heads * c.head_dim)
         else:
             p_rows = probs.transpose(0, 1, 3, 2, 4).reshape(b, c.n_kv_heads, tq * c.q_per_kv, -1)
-            out = jax.lax.dot_general(p_rows, v.astype(dt), (((3,), (2,)), ((0, 1), (0, 1))))  # [B, K, Tq*G, Dh]
+            out = cache.mix(layer, p_rows)  # [B, K, Tq*G, Dh]
             out = out.reshape(b, c.n_kv_heads, tq, c.q_per_kv, c.head_dim).transpose(0, 2, 1, 3, 4)
             out = out.reshape(b * tq, c.n_heads * c.head_dim)
         o_proj = self.o_proj[...].reshape(c.d_model, c.n_heads * c.head_dim)
-        return _linear(out, o_proj, dt, decode).reshape(b, tq, c.d_model), layer_cache
+        return _linear(out, o_proj, dt, decode).reshape(b, tq, c.d_model), cache
 
 
 class MLP(nnx.Module):
@@ -221,16 +302,21 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, sin, cos, mask, layer_cache, cache_index, query_slots: tuple[int, int] | None = None,
-                 decode: bool = False):
-        """`query_slots` (start, stop): the output is only slots start..stop-1 (see Attention)."""
-        attended, layer_cache = self.attention(self.input_norm(x), sin, cos, mask, layer_cache, cache_index,
-                                               query_slots, decode)
+    def __call__(self, x, sin, cos, mask, cache: Cache | None, layer, cache_index,
+                 query_slots: tuple[int, int] | None = None, decode: bool = False):
+        """Layer number `layer` (its index into `cache`). `query_slots` (start, stop): the output is
+        only slots start..stop-1 (see Attention)."""
+        attended, cache = self.attention(self.input_norm(x), sin, cos, mask, cache, layer, cache_index,
+                                         query_slots, decode)
         if query_slots is not None:
             x = x[:, query_slots[0]:query_slots[1]]
         x = x + attended.astype(x.dtype)
         x = x + self.mlp(self.post_attention_norm(x), decode).astype(x.dtype)
-        return x, layer_cache
+        return x, cache
+
+
+# A scanned stack ([L, ...] leaves) or one state per layer (`Transformer.layer_params`).
+LayerParams = nnx.State | tuple[nnx.State, ...]
 
 
 class Transformer(nnx.Module):
@@ -241,7 +327,8 @@ class Transformer(nnx.Module):
         self.config = config
         # Embedding std 0.02-ish via fan_in d_model keeps tied logits at a sane scale at init.
         self.embed = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.d_model, c.param_dtype)
-        self.layers = nnx.List([DecoderLayer(c, rngs) for _ in range(c.n_layers)])
+        # Drawn layer by layer (the same values as L separate layers), kept stacked [L, ...].
+        self.layers = _stack_layers([DecoderLayer(c, rngs) for _ in range(c.n_layers)])
         self.final_norm = RMSNorm(c.d_model, c.norm_eps, c.param_dtype)
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.d_model, c.param_dtype)
@@ -256,6 +343,7 @@ class Transformer(nnx.Module):
         output_slots: tuple[int, int] | None = None,
         remat: str = "none",
         hidden_only: bool = False,
+        layers: LayerParams | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """Logits [B, T, V]; with `output_slots` (start, stop) — static ints — only those of slots
         start..stop-1, [B, stop-start, V]. Every layer but the last still runs on all T slots (later
@@ -263,10 +351,11 @@ class Transformer(nnx.Module):
         norm and head for the output slots alone. Same values as slicing the full logits, less work:
         training scores only the completion's slots, and a prefill samples from the last slot alone.
 
-        `remat` "full" (training, no cache): each layer is rematerialised, so its backward pass
-        recomputes the layer from its input instead of keeping its activations. `hidden_only`: the
-        final-normed hidden states [B, T, D] instead of logits, for callers that apply the head in
-        vocabulary chunks (`head_rows`)."""
+        `remat` (training, no cache): "full" rematerialises each layer, so its backward pass
+        recomputes the layer from its input instead of keeping its activations (`REMAT_POLICIES`).
+        `hidden_only`: the final-normed hidden states [B, T, D] instead of logits, for callers that
+        apply the head in vocabulary chunks (`head_rows`). `layers`: this model's `layer_params()`,
+        prepared once outside a loop that calls the model many times (default: prepared here)."""
         c = self.config
         t = tokens.shape[1]
         s = kv_mask.shape[1]
@@ -274,6 +363,10 @@ class Transformer(nnx.Module):
             start, stop = output_slots
             if not 0 <= start < stop <= t:
                 raise ValueError(f"output_slots {output_slots} must satisfy 0 <= start < stop <= {t} (the new slots)")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+        if remat != "none" and cache is not None:
+            raise ValueError("remat applies to a full forward without a KV cache (training)")
         slots = cache_index + jnp.arange(t)  # cache slot of each query
         causal = jnp.arange(s)[None, :] <= slots[:, None]  # [T, S]
         mask = kv_mask[:, None, :] & causal[None, :, :]  # [B, T, S]
@@ -283,47 +376,97 @@ class Transformer(nnx.Module):
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(c.dtype))  # [B, T, D]
         decode = cache is not None and t == 1  # a one-token step: every matmul takes its decode form
-        new_cache: Cache | None = [] if cache is not None else None
-        if remat not in ("none", "full"):
-            raise ValueError(f"remat must be 'none' or 'full', got {remat!r}")
-        if remat != "none" and cache is not None:
-            raise ValueError("remat applies to a full forward without a KV cache (training)")
-        for i, layer in enumerate(self.layers):
-            last = i == len(self.layers) - 1
-            query_slots = output_slots if last else None
-            if remat == "none":
-                x, layer_cache = layer(x, sin, cos, mask, None if cache is None else cache[i], cache_index,
-                                       query_slots, decode)
-            else:
-                x, layer_cache = _remat_layer(layer, x, sin, cos, mask, query_slots)
-            if new_cache is not None:
-                new_cache.append(layer_cache)
+        layer_graph = nnx.graphdef(self.layers)
+
+        def apply_layer(params, x, cache, layer, query_slots):
+            return nnx.merge(layer_graph, params)(x, sin, cos, mask, cache, layer, cache_index, query_slots, decode)
+
+        layers = self.layer_params() if layers is None else layers
+        x, cache = _run_layers(apply_layer, layers, x, cache, output_slots, REMAT_POLICIES[remat])
         x = self.final_norm(x)
         if hidden_only:
-            return x, new_cache
+            return x, cache
         b, t, d = x.shape
         logits = _linear(x.reshape(b * t, d), self.head_rows(), x.dtype, decode).reshape(b, t, -1)
-        return logits.astype(jnp.float32), new_cache
+        return logits.astype(jnp.float32), cache
 
+    def layer_params(self) -> LayerParams:
+        """The decoder layers' parameters in the form the forward runs them (`ModelConfig.scan_layers`
+        on this platform): the stacked state itself ([L, ...] leaves) for a scan, one state per layer
+        for unrolled layers. On XLA:CPU each of those slices is a copy of the layer's weights, so a
+        loop that runs the model many times (decode) prepares them once, outside it (`forward`'s
+        `layers`)."""
+        stacked = nnx.state(self.layers)
+        if self.config.scans_layers(jax.default_backend()):
+            return stacked
+        return tuple(jax.tree.map(lambda p: p.reshape(p.shape[1:]), layer)
+                     for layer in _split_layers(stacked, [1] * self.config.n_layers))
 
     def head_rows(self) -> jax.Array:
         """The output projection as [V, D] rows (the embedding when tied): logits = hidden @ rows.T."""
         return self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
 
 
-@nnx.remat(static_argnums=(5,))
-def _remat_layer(layer: DecoderLayer, x, sin, cos, mask, query_slots):
-    # Nothing inside the layer is saved for the backward pass but its inputs (jax.checkpoint's default).
-    return layer(x, sin, cos, mask, None, 0, query_slots)
+def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One DecoderLayer holding `layers`' parameters stacked on a leading `layers` axis."""
+
+    def stack(*variables: nnx.Variable) -> nnx.Variable:
+        axes = variables[0].get_metadata()["axes"]
+        return variables[0].replace(jnp.stack([v[...] for v in variables]), axes=(LAYER_AXIS, *axes))
+
+    states = [nnx.state(layer) for layer in layers]
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(nnx.graphdef(layers[0]), stacked)
+
+
+def _split_layers(stacked: nnx.State, sizes: list[int]) -> list[nnx.State]:
+    """`stacked` cut along its layer axis into pieces of `sizes` layers (each still stacked).
+    `lax.split`, not an index per layer: its gradient is one concatenation, not L zero-padded
+    full-size arrays summed."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    pieces = [jax.lax.split(leaf, sizes) for leaf in leaves]
+    return [jax.tree.unflatten(treedef, [piece[i] for piece in pieces]) for i in range(len(sizes))]
+
+
+def _run_layers(apply_layer, layers: LayerParams, x, cache: Cache | None, output_slots, remat_policy):
+    """x through every layer in turn: `apply_layer(params, x, cache, layer, query_slots) -> (x, cache)`
+    with one layer's `params`. With `output_slots` the last layer runs on those slots alone (see
+    `Transformer.__call__`).
+
+    A stacked `layers` runs the layers as one `lax.scan` over its leading axis (XLA compiles one
+    layer body), carrying x and the (stacked) cache; with `output_slots` the scan covers all but the
+    last layer, which runs on its own. A tuple runs them as a Python loop. `remat_policy`
+    (`REMAT_POLICIES`): each layer is `jax.checkpoint`ed with it."""
+    unrolled = isinstance(layers, tuple)
+    if remat_policy is not None:
+        apply_layer = jax.checkpoint(apply_layer, policy=remat_policy, static_argnums=(4,),
+                                     prevent_cse=unrolled)  # inside a scan, CSE cannot undo the remat
+    if unrolled:
+        for layer, params in enumerate(layers):
+            x, cache = apply_layer(params, x, cache, layer, output_slots if layer == len(layers) - 1 else None)
+        return x, cache
+    if cache is not None and not cache.stacked:
+        raise ValueError("scanned layers need a stacked cache: build it with init_cache for the same config")
+    count = jax.tree.leaves(layers)[0].shape[0]
+    scanned = count - 1 if output_slots is not None else count
+    body_layers, last_layer = _split_layers(layers, [scanned, 1]) if scanned < count else (layers, None)
+    if scanned:
+
+        def body(carry, layer_and_params):
+            layer, params = layer_and_params
+            return apply_layer(params, *carry, layer, None), None
+
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (jnp.arange(scanned), body_layers))
+    if last_layer is not None:
+        params = jax.tree.map(lambda p: p.reshape(p.shape[1:]), last_layer)
+        x, cache = apply_layer(params, x, cache, count - 1, output_slots)
+    return x, cache
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
-    """An empty KV cache: per layer, keys zeros [B, K, Dh, max_len] and values [B, K, max_len, Dh]
-    (see Attention for why the keys are transposed)."""
-    dt = _dtype(dtype or config.dtype)
-    keys = (batch, config.n_kv_heads, config.head_dim, max_len)
-    values = (batch, config.n_kv_heads, max_len, config.head_dim)
-    return [(jnp.zeros(keys, dt), jnp.zeros(values, dt)) for _ in range(config.n_layers)]
+    """An empty KV cache for `batch` rows and `max_len` slots, in the form (`Cache`) the forward's way
+    of running the layers on this platform needs."""
+    return Cache.create(config, batch, max_len, dtype, stacked=config.scans_layers(jax.default_backend()))
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -336,8 +479,15 @@ def create_model(config: ModelConfig, seed: int = 0) -> Transformer:
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens, positions, kv_mask, cache=None, cache_index=0,
-            output_slots: tuple[int, int] | None = None, remat: str = "none", hidden_only: bool = False):
+            output_slots: tuple[int, int] | None = None, remat: str = "none", hidden_only: bool = False,
+            layers: LayerParams | None = None):
     """Pure functional forward over split NNX state, for use inside `jax.jit` (cheap per call,
-    unlike `nnx.jit`; PITFALLS.md). `output_slots`, `remat`, `hidden_only`: see `Transformer.__call__`."""
+    unlike `nnx.jit`; PITFALLS.md). `output_slots`, `remat`, `hidden_only`, `layers`: see
+    `Transformer.__call__`."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, kv_mask, cache, cache_index, output_slots, remat, hidden_only)
+    return model(tokens, positions, kv_mask, cache, cache_index, output_slots, remat, hidden_only, layers)
+
+
+def layer_params(graphdef: nnx.GraphDef, params: nnx.State) -> LayerParams:
+    """`Transformer.layer_params` over split NNX state (for `forward`'s `layers`)."""
+    return nnx.merge(graphdef, params).layer_params()

@@ -114,8 +114,9 @@ def test_hf_export_writes_every_tensor_row_major_and_reloads_exactly(tmp_path, d
     save_hf_checkpoint(model, tmp_path)
     written = load_file(str(tmp_path / "model.safetensors"))
     _, state = nnx.split(model)
-    for hf_name, path, _, to_hf in _tensor_map(config):
-        original = to_hf(np.asarray(jax.device_get(_variable_at(state, path)[...])))
+    for hf_name, path, layer, _, to_hf in _tensor_map(config):
+        value = np.asarray(jax.device_get(_variable_at(state, path)[...]))
+        original = to_hf(value if layer is None else value[layer])  # a stacked layer parameter's row
         assert written[hf_name].shape == original.shape, hf_name
         assert np.array_equal(written[hf_name], original), f"{hf_name} was written in another element order"
     reloaded = load_hf_checkpoint(tmp_path, dtype=dtype)

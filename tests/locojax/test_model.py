@@ -1,4 +1,6 @@
-"""The decoder: catalog sizes, KV-cache consistency, and sharded execution."""
+"""The decoder: catalog sizes, KV-cache consistency, sharded execution, scanned vs unrolled layers."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -93,8 +95,9 @@ def test_sharded_forward_on_four_devices_equals_unsharded():
 
     mesh = make_mesh(fsdp=2, tensor=2)
     sharded_params = shard_state(params, mesh)
-    q_proj = sharded_params["layers"][0]["attention"]["q_proj"][...]
-    assert len(q_proj.sharding.device_set) == 4 and q_proj.sharding.spec == jax.sharding.PartitionSpec("tensor", None, "fsdp")
+    q_proj = sharded_params["layers"]["attention"]["q_proj"][...]  # [L, H, Dh, D]: the layer axis is not sharded
+    assert len(q_proj.sharding.device_set) == 4
+    assert q_proj.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None, "fsdp")
     place = batch_sharding(mesh, 2)
     out, _ = jit_forward(graphdef, sharded_params, jax.device_put(tokens, place), jax.device_put(positions, place),
                          jax.device_put(mask, place))
@@ -162,3 +165,104 @@ def test_tabulated_rotary_angles_equal_the_direct_ones():
     table = rope_angles(positions, 16, 10_000.0, num_positions=512)
     for a, b in zip(direct, table):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+# Scanned and unrolled layers: three layers, so the scan runs over more than one (two before a last
+# layer that runs on its own for `output_slots`); qwen3 tied and untied, and llama (no QK-norm).
+STACK_CONFIGS = {
+    "qwen3-tied": get_preset("tiny").replace(n_layers=3),
+    "qwen3-untied": get_preset("tiny").replace(n_layers=3, tie_embeddings=False),
+    "llama": get_preset("tiny").replace(n_layers=3, arch="llama", qk_norm=False, tie_embeddings=False),
+}
+
+
+def _scanned_and_unrolled(config: ModelConfig):
+    """The graphdefs of the same model scanning and unrolling its layers, and its one set of params."""
+    graphdef, params = nnx.split(create_model(config.replace(scan_layers=True), seed=4))
+    unrolled, unrolled_params = nnx.split(create_model(config.replace(scan_layers=False), seed=4))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, unrolled_params))
+    return graphdef, unrolled, params
+
+
+def _assert_trees_close(actual, expected, rtol=1e-5):
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape
+        assert np.abs(a - b).max() <= rtol * max(1.0, float(np.abs(b).max())), np.abs(a - b).max()
+
+
+@pytest.mark.parametrize("name,remat,output_slots", [
+    ("qwen3-tied", "none", None), ("qwen3-tied", "full", (5, 11)), ("qwen3-untied", "none", (5, 11)),
+    ("qwen3-untied", "full", None), ("llama", "none", (5, 11)), ("llama", "full", None)])
+def test_scanned_layers_give_the_unrolled_logits_and_gradients(name, remat, output_slots):
+    config = STACK_CONFIGS[name]
+    scanned, unrolled, params = _scanned_and_unrolled(config)
+    tokens, mask, positions = _left_padded_batch(config)
+    width = 6 if output_slots else tokens.shape[1]
+    weights = jax.random.normal(jax.random.key(7), (tokens.shape[0], width, config.vocab_size))
+
+    def loss(graphdef, p):
+        logits = forward(graphdef, p, tokens, positions, mask, output_slots=output_slots, remat=remat)[0]
+        return jnp.sum(weights * jax.nn.log_softmax(logits)), logits
+
+    (_, scanned_logits), scanned_grads = jax.jit(
+        jax.value_and_grad(functools.partial(loss, scanned), has_aux=True))(params)
+    (_, unrolled_logits), unrolled_grads = jax.jit(
+        jax.value_and_grad(functools.partial(loss, unrolled), has_aux=True))(params)
+    assert scanned_logits.shape == (tokens.shape[0], width, config.vocab_size)
+    _assert_trees_close(scanned_logits, unrolled_logits)
+    _assert_trees_close(scanned_grads, unrolled_grads)
+    # Every layer's gradient is there and distinct: a scan that reused one layer's params would not be.
+    q_grads = np.asarray(scanned_grads["layers"]["attention"]["q_proj"][...])
+    assert q_grads.shape[0] == config.n_layers and all(np.abs(g).max() > 0 for g in q_grads)
+
+
+@pytest.mark.parametrize("name", sorted(STACK_CONFIGS))
+def test_scanned_layers_prefill_and_decode_like_the_unrolled_ones(name):
+    """A prefill that keeps its last slot's logits, then one-token decode steps: same logits and caches."""
+    config = STACK_CONFIGS[name]
+    scanned, unrolled, params = _scanned_and_unrolled(config)
+    tokens, mask, positions = _left_padded_batch(config)
+    prompt_len, total, batch = 7, tokens.shape[1], tokens.shape[0]
+    kv_mask = jnp.concatenate([mask, jnp.zeros((batch, 4), bool)], axis=1)
+    step = jax.jit(forward, static_argnums=0, static_argnames="output_slots")
+
+    def prefill_then_decode(graphdef, scan):
+        cache = init_cache(config.replace(scan_layers=scan), batch, total + 4)
+        assert cache.stacked == scan  # the scan carries one [L, ...] array; unrolled layers keep one each
+        logits, cache = step(graphdef, params, tokens[:, :prompt_len], positions[:, :prompt_len], kv_mask, cache, 0,
+                             output_slots=(prompt_len - 1, prompt_len))
+        pieces = [logits]
+        for i in range(prompt_len, total):
+            logits, cache = step(graphdef, params, tokens[:, i:i + 1], positions[:, i:i + 1], kv_mask, cache, i)
+            pieces.append(logits)
+        return jnp.concatenate(pieces, axis=1), jnp.stack(cache.keys), jnp.stack(cache.values)
+
+    scanned_logits, scanned_keys, scanned_values = prefill_then_decode(scanned, True)
+    _assert_trees_close((scanned_logits, scanned_keys, scanned_values), prefill_then_decode(unrolled, False))
+    assert scanned_keys.shape == (config.n_layers, batch, config.n_kv_heads, config.head_dim, total + 4)
+    with pytest.raises(ValueError, match="stacked cache"):
+        step(scanned, params, tokens[:, :1], positions[:, :1], kv_mask,
+             init_cache(config.replace(scan_layers=False), batch, total + 4), 0)
+
+
+def test_scan_layers_auto_scans_on_accelerators_only():
+    config = get_preset("tiny")
+    assert config.scan_layers == "auto"
+    assert not config.scans_layers("cpu") and config.scans_layers("tpu") and config.scans_layers("gpu")
+    assert config.replace(scan_layers=True).scans_layers("cpu")
+    assert not config.replace(scan_layers=False).scans_layers("tpu")
+    with pytest.raises(ValueError, match="scan_layers"):
+        config.replace(scan_layers="yes")
+
+
+def test_remat_policies_are_the_ones_the_spec_and_the_memory_plan_know():
+    """A policy added to the model must be planned for and accepted by the spec (and the other way round)."""
+    from typing import get_args
+
+    from locojax.model.transformer import REMAT_POLICIES
+    from locojax.placement.memory import REMAT_POLICIES as PLANNED
+    from locojax.spec import ModelSpec
+
+    assert tuple(REMAT_POLICIES) == PLANNED
+    assert get_args(ModelSpec.model_fields["remat"].annotation) == PLANNED

@@ -182,3 +182,41 @@ def test_prefill_then_decode_apart_is_the_generate_the_engine_runs():
     state = jax.device_get(decode(params, state))
     np.testing.assert_array_equal(state.tokens, whole.tokens)
     np.testing.assert_allclose(np.where(whole.mask, state.logprobs, 0.0), whole.logprobs, atol=1e-5)
+
+
+def test_scanned_layers_sample_what_the_unrolled_ones_do():
+    """Rollout with the layers under one scan (a stacked cache carried through it, the batch sharded
+    over 4 devices) against the unrolled layers this CPU runs by default: same tokens, same log-probs."""
+    graphdef, params = model()
+    assert not CONFIG.scans_layers(jax.default_backend()), "the rollouts above ran unrolled"
+    scanned_config = CONFIG.replace(scan_layers=True)
+    scanned_graphdef, scanned_params = nnx.split(create_model(scanned_config, seed=0))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), scanned_params, params))
+    tokens, mask = prompts()
+    for temperature in (0.0, 1.0):
+        sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=temperature, eos_id=None,
+                                  pad_id=TOKENIZER.pad_id)
+        generate = make_generate_fn(scanned_config, scanned_graphdef, sampling, PROMPT_LEN, len(PROMPTS))
+        scanned = jax.device_get(generate(params, tokens, mask, rollout_key(0, 0, 0)))
+        unrolled = rollout(temperature, None)
+        np.testing.assert_array_equal(scanned.tokens, unrolled.tokens)
+        np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_decode_loop_updates_the_cache_in_place(scan_layers):
+    """The decode loop writes each token's keys and values into the cache it carries, never into a copy:
+    its temporary memory stays below half the cache (a copy per step, or a cache rebuilt by the layer
+    scan, would need all of it). The cache here is 6x the weights, which the unrolled loop slices once."""
+    config = CONFIG.replace(n_layers=4, scan_layers=scan_layers)
+    graphdef, params = nnx.split(create_model(config, seed=0))
+    batch, new_tokens = 32, 200
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, eos_id=None, pad_id=TOKENIZER.pad_id)
+    prefill, decode = make_prefill_and_decode_fns(config, graphdef, sampling, PROMPT_LEN, batch, jax.devices()[:1])
+    state = jax.eval_shape(prefill, params, *(np.zeros((batch, PROMPT_LEN), dtype) for dtype in (np.int32, bool)),
+                           rollout_key(0, 0, 0))
+    cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state.cache))
+    weight_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    assert cache_bytes > 5 * weight_bytes
+    memory = decode.lower(params, state).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < cache_bytes / 2, (memory.temp_size_in_bytes, cache_bytes)
