@@ -32,11 +32,16 @@ install: $(STAMP) $(VENDOR)/.installed
 demo: install
 	$(VENV)/bin/locojax up --hosts 1 --demo
 
-test: install
-	$(PY) -m pytest -q --durations=25
+# Two pytest-xdist workers (this machine has 2 cores), handed whole modules (tests/e2e as one unit) in
+# the order tests/conftest.py sets: see work_unit there.
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 
+test: install
+	$(PY) -m pytest -q $(XDIST) --durations=25
+
+# The inner loop: everything that neither starts processes of its own nor drives a browser.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not multiprocess"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not multiprocess and not e2e and not browser"
 
 constraints: $(STAMP)
 	( echo "# Exact pins for every package the project installs (name==version only). Regenerate with 'make constraints'."; \
