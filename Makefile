@@ -33,8 +33,8 @@ demo: install
 	$(VENV)/bin/locojax up --hosts 1 --demo
 
 # Two pytest-xdist workers (this machine has 2 cores), handed whole modules (tests/e2e as one unit) in
-# the order tests/conftest.py sets: see work_unit there.
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+# the order tests/conftest.py sets: its pytest_xdist_make_scheduler serves any --dist mode but "no".
+XDIST := -n 2 --dist loadscope
 
 test: install
 	$(PY) -m pytest -q $(XDIST) --durations=25

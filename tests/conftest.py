@@ -55,30 +55,44 @@ def session_processes(fragment: str) -> list[int]:
     return found
 
 
-# `make test` shares the suite between two pytest-xdist workers (`-n 2 --dist loadgroup`) in units of
-# work: a module is one, so whatever its module-scoped fixtures start (a control plane, a trained start)
-# is started once, on one worker; tests/e2e is one, as its whole package shares one stack. Units whose
-# tests start processes of their own are handed out first, the most such tests first, so that the
-# longest ones are not left running alone at the end while the other worker idles.
+# `make test` shares the suite between two pytest-xdist workers (`-n 2`) in units of work: a module is
+# one, so whatever its module-scoped fixtures start (a control plane, a trained start) is started once,
+# on one worker; tests/e2e is one, as its whole package shares one stack. Units whose tests start
+# processes of their own are handed out first, the most such tests first, so that the longest ones are
+# not left running alone at the end while the other worker idles. (xdist's own `--dist loadgroup` marks
+# cannot do this here: they rename test ids through an attribute pytest 9 no longer reads.)
 HEAVY_MARKERS = ("e2e", "multiprocess", "slow")
-TESTS_ROOT = Path(__file__).resolve().parent
 
 
-def work_unit(item: pytest.Item) -> str:
-    path = Path(item.path).resolve().relative_to(TESTS_ROOT.parent)
-    return "tests/e2e" if path.parts[:2] == ("tests", "e2e") else path.as_posix()
+def work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "tests/e2e" if path.startswith("tests/e2e/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        """xdist's scheduling by scope, with this suite's units as the scopes, in the workers' order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # the order is the one pytest_collection_modifyitems sets
+    return WorkUnitScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    units = [work_unit(item) for item in items]
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # a plain run keeps the file order
+        return
+    units = [work_unit(item.nodeid) for item in items]
     heavy: dict[str, int] = {}
     for unit, item in zip(units, items):
         heavy[unit] = heavy.get(unit, 0) + any(item.get_closest_marker(name) for name in HEAVY_MARKERS)
-        item.add_marker(pytest.mark.xdist_group(unit))
-    if "PYTEST_XDIST_WORKER" in os.environ:  # a plain run keeps the file order
-        order = {unit: position for position, unit in enumerate(dict.fromkeys(units))}
-        ranked = sorted(zip(units, items), key=lambda pair: (-heavy[pair[0]], order[pair[0]]))
-        items[:] = [item for _, item in ranked]
+    order = {unit: position for position, unit in enumerate(dict.fromkeys(units))}
+    ranked = sorted(zip(units, items), key=lambda pair: (-heavy[pair[0]], order[pair[0]]))
+    items[:] = [item for _, item in ranked]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
