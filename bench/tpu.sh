@@ -2,7 +2,7 @@
 # The engine on one TPU chip against Tunix, stage by stage (issue 37):
 #   bash bench/tpu.sh OUTDIR [STAGE ...]         (no STAGE: all of them, in the order below)
 # Runs on a TPU VM with the project checked out. Each stage has its own time limit and writes its
-# part, OUTDIR/part_<stage>.json, headed with the commit (git, else $LOCOJAX_BENCH_COMMIT), the UTC
+# part, OUTDIR/part_<stage>.json, headed with the commit ($LOCOJAX_BENCH_COMMIT where set, else git), the UTC
 # date, the platform and device kind it measured; a stage that fails leaves the others' files. A full
 # refresh may span several sessions: commit the parts under bench/results/tpu_parts/, then
 # `python3 bench/tpu_merge.py bench/results/tpu_parts` writes bench/results/grpo_step_tpu.json and
@@ -33,7 +33,7 @@
 # LOCAL_INDEX, WHEELS, TORCH_WHEELS (above); C_ROWS or C_ROWS_PART (size-c1/c2's rows where OUTDIR does
 # not hold the size-c-rows part, e.g. an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu);
 # WORK (/tmp/locojax-tpu/work: the 0.6B inputs, which size c builds once per machine); COMMAND_S (below);
-# LOCOJAX_BENCH_COMMIT (where the checkout has no .git);
+# LOCOJAX_BENCH_COMMIT (the commit measured: set it where the checkout is a copy, its .git may be stale);
 # SCALE_ARGS, GRPO_ARGS, C_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's:
 #   a dry run here: PLATFORM=cpu SCALE_ARGS="--model-preset tiny" C_ARGS="--model-preset small --max-prompts 2").
 set -u
