@@ -1078,7 +1078,8 @@ def profile_run(paths, args, work: Path) -> dict:
     return summary
 
 
-RUN_FILES = ("metrics.jsonl", "spec.yaml", "result.json", "stdout.log", "stderr.log")
+# environment.json too: `locojax calibration import` and bench/placement_tpu.py read a run from these.
+RUN_FILES = ("metrics.jsonl", "spec.yaml", "result.json", "environment.json", "stdout.log", "stderr.log")
 
 
 def pack_run_files(work: Path, tar_path: Path) -> dict:
