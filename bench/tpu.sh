@@ -2,7 +2,7 @@
 # The engine on one TPU chip against Tunix, stage by stage (issue 37):
 #   bash bench/tpu.sh OUTDIR [STAGE ...]         (no STAGE: all of them, in the order below)
 # Runs on a TPU VM with the project checked out. Each stage has its own time limit and writes its
-# part, OUTDIR/part_<stage>.json, headed with the commit (git, else $LOCOJAX_BENCH_COMMIT), the UTC
+# part, OUTDIR/part_<stage>.json, headed with the commit ($LOCOJAX_BENCH_COMMIT where set, else git), the UTC
 # date, the platform and device kind it measured; a stage that fails leaves the others' files. A full
 # refresh may span several sessions: commit the parts under bench/results/tpu_parts/, then
 # `python3 bench/tpu_merge.py bench/results/tpu_parts` writes bench/results/grpo_step_tpu.json and
@@ -25,6 +25,9 @@
 #                runs' files in OUTDIR/scale_runs.tar.gz
 #   limits       ~4 min (9 min): bench/scale.py's limits at the same batch (HBM bandwidth, bf16 matmul
 #                peak, the decode loop timed alone)
+#   placement-runs ~4 min (9 min): four `locojax train` runs of the small preset (PLACEMENT_CONFIGS, dtype:remat:
+#                prompts:group:prompt:new), each run's files in OUTDIR/placement_runK.tar.gz, for the placement
+#                model's out-of-sample TPU calibration (bench/placement_tpu.py predict); not in the default list
 #   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT)
 # Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
 # `install` (with `tests`) first. Nothing is pip-installed after the install stage.
@@ -33,7 +36,7 @@
 # LOCAL_INDEX, WHEELS, TORCH_WHEELS (above); C_ROWS or C_ROWS_PART (size-c1/c2's rows where OUTDIR does
 # not hold the size-c-rows part, e.g. an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu);
 # WORK (/tmp/locojax-tpu/work: the 0.6B inputs, which size c builds once per machine); COMMAND_S (below);
-# LOCOJAX_BENCH_COMMIT (where the checkout has no .git);
+# LOCOJAX_BENCH_COMMIT (the commit measured: set it where the checkout is a copy, its .git may be stale);
 # SCALE_ARGS, GRPO_ARGS, C_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's:
 #   a dry run here: PLATFORM=cpu SCALE_ARGS="--model-preset tiny" C_ARGS="--model-preset small --max-prompts 2").
 set -u
@@ -156,8 +159,29 @@ c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, O
   return 1
 }
 
-export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES
-export -f install install_into grpo
+# The placement model's TPU calibration (issue 41): `locojax train` runs of a small preset (never the 0.6B it
+# predicts) at varied batches, dtypes and remat, each run's directory (environment.json included) packed
+# in OUTDIR/placement_runK.tar.gz for `bench/placement_tpu.py predict`.
+PLACEMENT_CONFIGS=${PLACEMENT_CONFIGS:-"bfloat16:full:16:8:64:128 float32:full:4:4:96:128 float32:none:8:8:64:64 bfloat16:full:32:8:64:128"}
+placement_runs() {
+  local k=0 failed=0 config
+  for config in $PLACEMENT_CONFIGS; do
+    k=$((k + 1))
+    IFS=: read -r dtype remat prompts group prompt_tokens new_tokens <<< "$config"
+    rm -rf "$targets/placement-work/run$k"
+    # shellcheck disable=SC2086
+    "$py" bench/scale.py --platform "$platform" --no-rest --no-peer --skip-limits --rounds 1 --steps 6 \
+      --model-preset "${PLACEMENT_PRESET:-small}" --dtype "$dtype" --remat "$remat" --prompts "$prompts" \
+      --group "$group" --prompt-tokens "$prompt_tokens" --new-tokens "$new_tokens" \
+      --work "$targets/placement-work/run$k" --runs-tar "$out/placement_run$k.tar.gz" \
+      --out "$out/placement_run$k.json" --load-note "one TPU chip, nothing else on it" ${PLACEMENT_ARGS:-} || failed=1
+  done
+  return $failed
+}
+
+export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES \
+  PLACEMENT_CONFIGS
+export -f install install_into grpo placement_runs
 scale_batch="--prompts 16 --group 8 --prompt-tokens 64 --new-tokens 128 --dtype bfloat16 --remat ${SCALE_REMAT:-full}"
 
 for name in $stages; do
@@ -184,8 +208,9 @@ for name in $stages; do
     limits) stage limits 540 "$py" bench/scale.py --platform "$platform" --stage limits --limits-part $scale_batch \
       --decode-rows "" --work "$work" --out "$out/part_limits.json" --load-note "one TPU chip, nothing else on it" \
       ${SCALE_ARGS:-} ;;
+    placement-runs) stage placement-runs 540 placement_runs ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"

@@ -4,7 +4,7 @@ the merge of the parts into bench/results/grpo_step_tpu.json and bench/results/s
     python3 bench/tpu_merge.py PARTS_DIR [--out-dir bench/results]
 
 Every stage of bench/tpu.sh writes one part, `part_<stage>.json`, headed by `part_header`: the stage,
-the commit (`git rev-parse HEAD`; where the checkout has no .git, LOCOJAX_BENCH_COMMIT as bench/tpu.sh
+the commit (LOCOJAX_BENCH_COMMIT where set, which wins over a copied checkout's .git, else git; as bench/tpu.sh
 was given it), whether tracked files differed from it (`dirty`, null where git cannot say), a sha256
 over the engine's and the benchmarks' sources (`source_digest`, comparable with or without git), the
 UTC date, the platform and device kind. A refresh may span sessions; the lead commits the parts under
@@ -60,12 +60,14 @@ def source_digest(root: Path = ROOT) -> str:
 
 
 def source_state() -> dict:
+    # A commit named by the caller wins: a copied checkout (a device machine's) may carry a stale .git.
+    if os.environ.get(COMMIT_VARIABLE):
+        return {"commit": os.environ[COMMIT_VARIABLE], "commit_from": COMMIT_VARIABLE, "dirty": None,
+                "git_head_here": _git("rev-parse", "HEAD"), "source_digest": source_digest()}
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
     if commit:
         origin = "git"
-    elif os.environ.get(COMMIT_VARIABLE):
-        commit, origin = os.environ[COMMIT_VARIABLE], COMMIT_VARIABLE
     else:
         commit, origin = "unknown", "none (no .git here and no " + COMMIT_VARIABLE + ")"
     return {"commit": commit, "commit_from": origin, "dirty": None if status is None else bool(status),
@@ -122,6 +124,8 @@ def merge_size(size: str, parts: list[dict]) -> dict:
     merged = {**figures, "workload": {**parts[-1].get("workload", {}), "rows": rows},
               "parts": record, "mixed_commits": mixed,
               "skipped": [line for part in parts for line in part.get("skipped", [])],
+              # Figures a part's runs were corrected by after the fact, with why (kept with the result).
+              "corrections": [line for part in parts for line in part.get("corrections", [])],
               "target": TARGETS.get(size)}
     if figures.get("ratio_vs_peer") is not None and size in TARGETS:
         merged["meets_target"] = figures["ratio_vs_peer"] >= TARGETS[size]["ratio_vs_peer"]

@@ -72,6 +72,9 @@ TIME_ADVANTAGE = _define("time/advantage", "s", "mean", "group-normalised advant
 TIME_TRAIN = _define("time/train", "s", "mean", "global batch assembly and the train step (incl. its all-reduce)")
 TIME_WEIGHT_SYNC = _define("time/weight_sync", "s", "mean", "DA: pushing new weights to rollout hosts")
 TIME_CHECKPOINT = _define("time/checkpoint", "s", "mean", "blocking part of a checkpoint save")
+# Only on the first step a process runs: what came before its loop (devices opened, memory plan and the
+# programs it compiles, model built or restored). Startup cost = this + that step's time/step.
+TIME_SETUP = _define("time/setup", "s", "max", "first step only: the mode's setup before the run loop")
 # The paper's split; see `split_step_time` for the definition.
 TIME_DEVICE = _define("time/device", "s", "mean", "devices busy: device computations timed up to block_until_ready")
 TIME_NETWORK = _define("time/network", "s", "mean", "collectives and weight transfers timed on their own")

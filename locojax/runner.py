@@ -22,6 +22,7 @@ export), then `result.json`. `run_mode` runs a spec under the mode it names (`lo
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -132,7 +133,9 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
         cancel_file: str | Path | None = None, extra_sinks: Sequence[m.MetricSink] = (),
         **options: Any) -> RunResult:
     """Run (or resume) `spec` with the mode session `setup(spec, resume=..., **options)` returns."""
+    setup_started = time.perf_counter()
     session = setup(spec, resume=resume, **options)
+    setup_s = time.perf_counter() - setup_started
     logger = where = None
     try:
         host = session.host
@@ -158,6 +161,8 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
                 record = {k: float(v) for k, v in jax.device_get(dict(output.record)).items()}
                 record.update(m.device_memory_metrics(jax.local_devices()))
                 record.update(evaluation)  # every host evaluates at the same steps: the names agree
+                if step == session.start_step:  # compilation happens in setup (the compiled memory plan)
+                    record[m.TIME_SETUP] = setup_s
                 record[CANCEL_KEY] = float(cancel_requested(cancel_file))
                 with timer.network():
                     # Host 0 needs every host's record; the gather doubles as the agreement on

@@ -105,10 +105,20 @@ def make_optimizer(optim: OptimSpec, total_steps: int, updates_per_step: int = 1
         optax.adamw(
             learning_rate=lambda count: train_schedule(count // updates_per_step),
             b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
-            mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params),
+            mask=decays,
         ),
     )
     return Optimizer(tx=tx, lr_schedule=train_schedule, updates_per_step=updates_per_step)
+
+
+def decays(params):
+    """Which leaves weight decay applies to: matrices, judged per layer. The decoder layers' parameters
+    (`Transformer.layers`) are stacked on a leading layer axis, so there a norm scale is [L, D] and a
+    matrix has three or more axes; elsewhere (embedding, final norm) a matrix has two."""
+    def is_matrix(path, leaf) -> bool:
+        first = getattr(path[0], "key", None) if path else None
+        return leaf.ndim >= (3 if first == "layers" else 2)
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:

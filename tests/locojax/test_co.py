@@ -246,10 +246,13 @@ def test_steady_steps_trace_and_compile_nothing(tmp_path):
 
         def __init__(self):
             self.seen: dict[int, int] = {}
+            self.setup: dict[int, float] = {}
 
         def write(self, step, host, metrics):
             if host == m.ALL_HOSTS:
                 self.seen[step] = len(events)
+                if m.TIME_SETUP in metrics:
+                    self.setup[step] = metrics[m.TIME_SETUP]
 
         def close(self):
             pass
@@ -264,3 +267,6 @@ def test_steady_steps_trace_and_compile_nothing(tmp_path):
     assert marks.seen[0] > 0  # the first step compiled: the listener sees what it should
     # Step 1's rollout was dispatched during step 0; from step 2 on nothing is new.
     assert marks.seen[5] == marks.seen[1], events[marks.seen[1]:]
+    # What came before the loop (the model built, programs compiled) is reported once, on step 0: a
+    # first step's cost is time/setup + its time/step, whichever of the two the compilation lands in.
+    assert list(marks.setup) == [0] and marks.setup[0] > 0

@@ -287,8 +287,15 @@ def test_fsdp_2_x_tensor_2_trains_like_pure_data_parallelism(tmp_path):
     specs = {leaf.sharding.spec for leaf in jax.tree.leaves(sharded.state.params)}
     assert any("fsdp" in str(spec) for spec in specs) and any("tensor" in str(spec) for spec in specs)
     assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(data_parallel.state.params))
-    moments = [leaf for leaf in jax.tree.leaves(sharded.state.opt_state) if leaf.ndim >= 2]
-    assert moments and all(not leaf.sharding.is_fully_replicated for leaf in moments)
+    # Every AdamW moment is laid out like its parameter (the stacked norm scales [L, D] stay replicated).
+    param_specs = {}
+    for leaf in jax.tree.leaves(sharded.state.params):
+        param_specs.setdefault(leaf.shape, set()).add(leaf.sharding.spec)
+    moments = [leaf for leaf in jax.tree.leaves(sharded.state.opt_state) if leaf.shape in param_specs]
+    assert len(moments) == 2 * len(jax.tree.leaves(sharded.state.params))  # mu and nu
+    assert all(leaf.sharding.spec in param_specs[leaf.shape] for leaf in moments)
+    assert sum(not leaf.sharding.is_fully_replicated for leaf in moments) >= 2 * sum(
+        not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(sharded.state.params)) > 0
 
     results = []
     for trainer in (data_parallel, sharded):

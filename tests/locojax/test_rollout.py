@@ -185,22 +185,22 @@ def test_prefill_then_decode_apart_is_the_generate_the_engine_runs():
 
 
 def test_scanned_layers_sample_what_the_unrolled_ones_do():
-    """Rollout with the layers under one scan (a stacked cache carried through it, the batch sharded
-    over 4 devices) against the unrolled layers this CPU runs by default: same tokens, same log-probs."""
+    """Rollout with the layers under one scan (a stacked cache carried through it) against the unrolled
+    layers: same tokens, same log-probs. The rollouts above ran the backend's default (unrolled on CPU,
+    scanned on an accelerator); this one runs the other way, so both backends compare the two."""
     graphdef, params = model()
-    assert not CONFIG.scans_layers(jax.default_backend()), "the rollouts above ran unrolled"
-    scanned_config = CONFIG.replace(scan_layers=True)
-    scanned_graphdef, scanned_params = nnx.split(create_model(scanned_config, seed=0))
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), scanned_params, params))
+    other_config = CONFIG.replace(scan_layers=not CONFIG.scans_layers(jax.default_backend()))
+    other_graphdef, other_params = nnx.split(create_model(other_config, seed=0))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), other_params, params))
     tokens, mask = prompts()
     for temperature in (0.0, 1.0):
         sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=temperature, eos_id=None,
                                   pad_id=TOKENIZER.pad_id)
-        generate = make_generate_fn(scanned_config, scanned_graphdef, sampling, PROMPT_LEN, len(PROMPTS))
-        scanned = jax.device_get(generate(params, tokens, mask, rollout_key(0, 0, 0)))
-        unrolled = rollout(temperature, None)
-        np.testing.assert_array_equal(scanned.tokens, unrolled.tokens)
-        np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5)
+        generate = make_generate_fn(other_config, other_graphdef, sampling, PROMPT_LEN, len(PROMPTS))
+        other = jax.device_get(generate(params, tokens, mask, rollout_key(0, 0, 0)))
+        default = rollout(temperature, None)
+        np.testing.assert_array_equal(other.tokens, default.tokens)
+        np.testing.assert_allclose(other.logprobs, default.logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

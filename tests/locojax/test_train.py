@@ -20,7 +20,7 @@ from locojax.model import create_model, forward, get_preset
 from locojax.spec import AlgoSpec, OptimSpec
 from locojax.train import (
     Optimizer, init_train_state, lr_schedule, make_logprobs_fn, make_optimizer, make_sft_step, make_train_step,
-    split_params,
+    decays, split_params,
 )
 
 B, P, N = 8, 6, 5  # sequences, prompt slots, completion slots
@@ -167,7 +167,10 @@ def test_micro_batches_on_a_sharded_mesh_equal_the_full_batch(packed):
     assert max(jax.tree.leaves(moved)) > 1e-3  # the update is not trivially zero
     assert_trees_close(micro_state.params, full_state.params)
     for name, value in full_metrics.items():
-        assert float(micro_metrics[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
+        # The k3 KL sums exp(d) - d - 1 over tokens: terms near 1 cancelling to ~1e-2, so a change of
+        # summation order (micro-batches) moves it by ~100 float32 ulps of its terms, 1e-5 of itself.
+        rel = 1e-4 if name == m.LOSS_KL else 1e-5
+        assert float(micro_metrics[name]) == pytest.approx(float(value), rel=rel, abs=1e-7), name
     assert micro_state.params["embed"][...].sharding.is_fully_replicated
 
 
@@ -233,13 +236,21 @@ def test_optimizer_counts_warmup_in_train_steps_and_decays_only_matrices():
     for _ in range(4):  # train steps 0, 0, 1, 1: lr 0.5, 0.5, 1, 1 (Adam's first moves are ~lr)
         updates, opt_state = update(jax.tree.map(jnp.ones_like, params), opt_state, params)
         sizes.append(float(-updates["b"][0]))
-    np.testing.assert_allclose(sizes, [0.5, 0.5, 1.0, 1.0], rtol=1e-4)
+    # A TPU's float32 sqrt and division in Adam are good to ~3e-4 relative (measured), not 1e-4.
+    np.testing.assert_allclose(sizes, [0.5, 0.5, 1.0, 1.0], rtol=1e-4 if jax.default_backend() == "cpu" else 1e-3)
 
     decaying = make_optimizer(OptimSpec(lr=1.0, warmup_steps=0, weight_decay=0.1), total_steps=10)
     params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
     updates, _ = jax.jit(decaying.tx.update)(jax.tree.map(jnp.zeros_like, params), decaying.tx.init(params), params)
     np.testing.assert_allclose(updates["w"], -0.1)  # lr * weight_decay * w
     np.testing.assert_allclose(updates["b"], 0.0)  # vectors (norm scales) are not decayed
+
+    # The model's decoder layers are stacked [L, ...]: a norm scale there is [L, D], still not decayed.
+    mask = jax.tree_util.tree_leaves_with_path(decays(fresh_params()))
+    decayed = {jax.tree_util.keystr(path) for path, on in mask if on}
+    assert decayed and not any("norm" in name for name in decayed), decayed
+    assert all("norm" in jax.tree_util.keystr(path) for path, on in mask if not on), mask
+    assert any("layers" in name and "proj" in name for name in decayed) and any("embed" in name for name in decayed)
 
 
 def test_sft_steps_reduce_the_loss_on_a_fixed_dataset():
