@@ -32,11 +32,16 @@ install: $(STAMP) $(VENDOR)/.installed
 demo: install
 	$(VENV)/bin/locojax up --hosts 1 --demo
 
-test: install
-	$(PY) -m pytest -q --durations=25
+# Two pytest-xdist workers (this machine has 2 cores), handed whole modules (tests/e2e as one unit) in
+# the order tests/conftest.py sets: its pytest_xdist_make_scheduler serves any --dist mode but "no".
+XDIST := -n 2 --dist loadscope
 
+test: install
+	$(PY) -m pytest -q $(XDIST) --durations=25
+
+# The inner loop: everything that neither starts processes of its own nor drives a browser.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not multiprocess"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not multiprocess and not e2e and not browser"
 
 constraints: $(STAMP)
 	( echo "# Exact pins for every package the project installs (name==version only). Regenerate with 'make constraints'."; \

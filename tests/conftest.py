@@ -28,9 +28,12 @@ SESSION_TMPDIR = Path("/tmp") / f"locojax-test-{os.environ[SESSION_VARIABLE]}"
 SESSION_TMPDIR.mkdir(mode=0o711)  # others may pass through (a private PostgreSQL runs as `postgres`), not list it
 os.environ["TMPDIR"] = str(SESSION_TMPDIR)
 # The engine's processes share compiled programs in a persistent cache (`locojax train --compilation-cache`,
-# default under the home directory); a test session keeps its own, removed with its folder, so nothing a
-# previous session compiled can make this one faster or different.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = str(SESSION_TMPDIR / "compilation-cache")
+# default under the home directory); a test run keeps its own, removed with its folder, so nothing a
+# previous run compiled can make this one faster or different. Under pytest-xdist the controller's
+# folder is the run's: its workers inherit the variable set here (xdist names each worker in
+# PYTEST_XDIST_WORKER before this file is imported), so every process of one run compiles a program once.
+if "PYTEST_XDIST_WORKER" not in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(SESSION_TMPDIR / "compilation-cache")
 
 
 def session_processes(fragment: str) -> list[int]:
@@ -50,6 +53,46 @@ def session_processes(fragment: str) -> list[int]:
         if fragment in command and state != "Z":  # a zombie holds nothing; its parent reaps it
             found.append(int(entry.name))
     return found
+
+
+# `make test` shares the suite between two pytest-xdist workers (`-n 2`) in units of work: a module is
+# one, so whatever its module-scoped fixtures start (a control plane, a trained start) is started once,
+# on one worker; tests/e2e is one, as its whole package shares one stack. Units whose tests start
+# processes of their own are handed out first, the most such tests first, so that the longest ones are
+# not left running alone at the end while the other worker idles. (xdist's own `--dist loadgroup` marks
+# cannot do this here: they rename test ids through an attribute pytest 9 no longer reads.)
+HEAVY_MARKERS = ("e2e", "multiprocess", "slow")
+
+
+def work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "tests/e2e" if path.startswith("tests/e2e/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        """xdist's scheduling by scope, with this suite's units as the scopes, in the workers' order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # the order is the one pytest_collection_modifyitems sets
+    return WorkUnitScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # a plain run keeps the file order
+        return
+    units = [work_unit(item.nodeid) for item in items]
+    heavy: dict[str, int] = {}
+    for unit, item in zip(units, items):
+        heavy[unit] = heavy.get(unit, 0) + any(item.get_closest_marker(name) for name in HEAVY_MARKERS)
+    order = {unit: position for position, unit in enumerate(dict.fromkeys(units))}
+    ranked = sorted(zip(units, items), key=lambda pair: (-heavy[pair[0]], order[pair[0]]))
+    items[:] = [item for _, item in ranked]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -156,10 +156,14 @@ DASHBOARD_SECRET = "e2e-" + secrets.token_hex(16)
 
 
 def engine_environment(work: Path) -> dict[str, str]:
-    """What the workers pass on to their engine processes: one persistent JAX compilation cache for the
-    session, so every run and restart after the first skips compiling the tiny model again (seconds
-    each on a shared machine). The control plane under test is the same with or without it."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    """What the workers pass on to their engine processes: one persistent JAX compilation cache, so every
+    run and restart after the first skips compiling the tiny model again (seconds each on a shared
+    machine): the test run's (tests/conftest.py), which every other test's engines fill with the same
+    programs, or else one under `work` (bench/reliability.py). The control plane under test is the same
+    with or without it."""
+    in_test_run = "LOCOJAX_TEST_SESSION" in os.environ  # tests/conftest.py: SESSION_VARIABLE
+    cache = os.environ["JAX_COMPILATION_CACHE_DIR"] if in_test_run else str(work / "jax-cache")
+    return {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             # so that engine processes can import the test reward functions (tests.locojax.rewards_for_tests,
             # allowed by the stack's reward_modules) and this checkout's code
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))}

@@ -24,7 +24,7 @@ from locojax.client import ApiClient
 from locojax.launch import cores_for_host, free_port
 from server.embedded import ControlPlane, start
 from server.embedded import _spawn as spawn
-from tests.conftest import session_processes
+from tests.conftest import create_postgres_database, session_processes
 from tests.e2e.faults import messages as every_message
 from tests.e2e.helpers import alive, host_pids, last_step, steps_of, tiny_spec, wait_final, wait_until
 from tests.e2e import netns
@@ -249,13 +249,22 @@ NETNS_REDIS_DB = 12
 
 
 @pytest.fixture(scope="module")
-def netns_plane(postgres_url: str, tmp_path_factory: pytest.TempPathFactory):
+def netns_database(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The namespaced plane's own database: the module's first plane is still up beside it, and two
+    planes on one database would schedule each other's runs on hosts of the same names."""
+    url, drop = create_postgres_database(request.config.getoption("--postgres-url"), prefix="locojax_netns")
+    yield url
+    drop()
+
+
+@pytest.fixture(scope="module")
+def netns_plane(netns_database: str, tmp_path_factory: pytest.TempPathFactory):
     """The API in the machine's namespace; three workers, each in a network namespace of its own with its
     own address on a bridge (tests/e2e/netns.py), reaching the API and broker through it."""
     reason = netns.available()
     if reason is not None:
         pytest.skip(reason)
-    settings = plane_settings(tmp_path_factory.mktemp("netns-plane"), postgres_url,
+    settings = plane_settings(tmp_path_factory.mktemp("netns-plane"), netns_database,
                               emptied_redis(f"redis://127.0.0.1:6379/{NETNS_REDIS_DB}"))
     port = free_port()
     with netns.NamespacedHosts(3) as hosts:
