@@ -170,6 +170,12 @@ def merge_scale(parts: list[dict]) -> dict | None:
                              f"{result['batch']}")
         apply_limits(result, limits[-1]["limits"])
     result["tpu_tests"] = tests[-1]["tpu_tests"] if tests else None
+    if limits:  # in the hardware profile's units, for locojax/placement/measured_constants.json to cite
+        measured = limits[-1]["limits"]
+        result["chip_constants"] = {
+            "hbm_bandwidth": measured["stream_bandwidth_gb_s"] * 1e9,  # bytes/s read, median around decode
+            "peak_flops": measured["matmul_peak_gflop_s"] * 1e9,  # bf16 matmul FLOP/s
+            "from": "limits.stream_bandwidth_gb_s and limits.matmul_peak_gflop_s, x 1e9"}
     record, mixed = parts_record(used)
     platform, device_kind = _platform(used)
     result.update(platform=platform, device_kind=device_kind, parts=record, mixed_commits=mixed)
