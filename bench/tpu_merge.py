@@ -170,8 +170,9 @@ def merge_scale(parts: list[dict]) -> dict | None:
                              f"{result['batch']}")
         apply_limits(result, limits[-1]["limits"])
     result["tpu_tests"] = tests[-1]["tpu_tests"] if tests else None
-    if limits:  # in the hardware profile's units, for locojax/placement/measured_constants.json to cite
-        measured = limits[-1]["limits"]
+    measured = limits[-1]["limits"] if limits else {}
+    if {"stream_bandwidth_gb_s", "matmul_peak_gflop_s"} <= set(measured):
+        # In the hardware profile's units, for locojax/placement/measured_constants.json to cite.
         result["chip_constants"] = {
             "hbm_bandwidth": measured["stream_bandwidth_gb_s"] * 1e9,  # bytes/s read, median around decode
             "peak_flops": measured["matmul_peak_gflop_s"] * 1e9,  # bf16 matmul FLOP/s
