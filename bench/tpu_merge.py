@@ -105,6 +105,11 @@ def parts_record(parts: list[dict]) -> tuple[list[dict], bool]:
     return record, mixed
 
 
+def merged_commit(record: list[dict]) -> str:
+    """The commit the merged figures measured: the parts' one commit, else theirs joined (mixed_commits)."""
+    return ", ".join(dict.fromkeys(str(p["commit"]) for p in record))
+
+
 def _platform(parts: list[dict]) -> tuple[str | None, str | None]:
     platforms = sorted({part.get("platform") for part in parts if part.get("platform")})
     kinds = sorted({part.get("device_kind") for part in parts if part.get("device_kind")})
@@ -148,7 +153,7 @@ def merge_grpo(parts: list[dict]) -> dict | None:
     sizes = {size: merge_size(size, [p for p in grpo if p.get("size") == size])
              for size in GRPO_SIZES if any(p.get("size") == size for p in grpo)}
     return {"benchmark": "grpo_step_tpu", "platform": platform, "device_kind": device_kind,
-            "parts": record, "mixed_commits": mixed, "sizes": sizes,
+            "commit": merged_commit(record), "parts": record, "mixed_commits": mixed, "sizes": sizes,
             "method": "bench/grpo_step.py per size; ratio_vs_peer = peer_step_s / locojax_step_s, the median "
                       "steady step of each side's pooled runs, both sides compiling cold; see each size's parts"}
 
@@ -179,9 +184,10 @@ def merge_scale(parts: list[dict]) -> dict | None:
             "from": "limits.stream_bandwidth_gb_s and limits.matmul_peak_gflop_s, x 1e9"}
     record, mixed = parts_record(used)
     platform, device_kind = _platform(used)
-    result.update(platform=platform, device_kind=device_kind, parts=record, mixed_commits=mixed)
-    for key in ("stage", "commit", "commit_from", "dirty", "source_digest", "date_utc"):
+    for key in ("stage", "commit_from", "dirty", "source_digest", "date_utc"):
         result.pop(key, None)  # per part, in `parts`
+    result.update(platform=platform, device_kind=device_kind, commit=merged_commit(record), parts=record,
+                  mixed_commits=mixed)
     return result
 
 
