@@ -185,6 +185,7 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
     rows = [r for r in rows if r.get("host") in ("all", 0, "0") and "time/step" in r]
     by_step = {int(r["step"]): r for r in rows}
     steady = [by_step[s] for s in sorted(by_step) if s > 0] or list(by_step.values())
+    first = by_step[min(by_step)] if by_step else {}
 
     def median(key):
         return statistics.median(float(r[key]) for r in steady if key in r)
@@ -202,10 +203,8 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
             "train_s": median("time/train"), "rollout_tokens_per_s": median("throughput/rollout_tokens_per_s"),
             # The mode's setup (devices opened, the programs the compiled memory plan compiles, model
             # built) plus step 0: where the engine compiles ahead of the loop, step 0 alone hides it.
-            "first_step_s": (float(by_step[min(by_step)].get("time/setup", 0.0))
-                             + float(by_step[min(by_step)]["time/step"])) if by_step else None,
-            "setup_s": float(by_step[min(by_step)]["time/setup"]) if by_step and "time/setup" in by_step[min(by_step)]
-            else None,
+            "first_step_s": float(first.get("time/setup", 0.0)) + float(first["time/step"]) if first else None,
+            "setup_s": float(first["time/setup"]) if "time/setup" in first else None,
             "per_step_s": [float(by_step[s]["time/step"]) for s in sorted(by_step)],
             "completion_len_max": [by_step[s].get("completion/len_max") for s in sorted(by_step)]}
 
