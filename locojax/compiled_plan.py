@@ -22,6 +22,7 @@ and shardings, so the run's first step reuses them instead of compiling again.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import jax
@@ -38,8 +39,16 @@ def _device_bytes(tree: Any) -> float:
     return total
 
 
-def _analysis(jitted: Callable, *abstract_args) -> Any:
-    return jitted.lower(*abstract_args).compile().memory_analysis()
+def _compile_all(programs: dict[str, tuple[Callable, tuple]]) -> dict[str, Any]:
+    """XLA's memory analysis of each (jitted, abstract arguments) program, keyed like `programs`.
+
+    Each is traced and lowered here, one after the other (tracing holds the GIL), then all are compiled
+    at once, one thread each: XLA compiles without the GIL, and a run's train step, rollout and KL pass
+    are independent programs, so the run's first step waits for the slowest compile, not their sum."""
+    lowered = {name: jitted.lower(*arguments) for name, (jitted, arguments) in programs.items()}
+    with ThreadPoolExecutor(max_workers=len(lowered), thread_name_prefix="locojax-compile") as pool:
+        compiled = {name: pool.submit(lowering.compile) for name, lowering in lowered.items()}
+        return {name: future.result().memory_analysis() for name, future in compiled.items()}
 
 
 def _transient(analysis, argument_bytes: float) -> dict[str, float]:
@@ -61,23 +70,25 @@ def compiled_plan(*, train_step: Callable, abstract_state: Any, abstract_batch: 
     state_bytes = _device_bytes(abstract_state)
     params_bytes = _device_bytes(abstract_state.params)
     persistent = {"params": params_bytes, "optimizer": state_bytes - params_bytes}
-    train = {f"train_{name}": value
-             for name, value in _transient(_analysis(train_step, abstract_state, abstract_batch), state_bytes).items()}
+    programs = {"train": (train_step, (abstract_state, abstract_batch))}
+    if rollout is not None:
+        programs["rollout"] = rollout
+    if reference is not None:
+        programs["reference"] = reference
+    analyses = _compile_all(programs)
+    train = {f"train_{name}": value for name, value in _transient(analyses["train"], state_bytes).items()}
     rollout_terms: dict[str, float] = {}
     if rollout is not None:
-        generate, arguments = rollout
-        held = _device_bytes(arguments[0])
+        held = _device_bytes(rollout[1][0])
         if rollout_params is not None:
             persistent["rollout_params"] = held
-        rollout_terms = {f"rollout_{name}": value
-                         for name, value in _transient(_analysis(generate, *arguments), held).items()}
+        rollout_terms = {f"rollout_{name}": value for name, value in _transient(analyses["rollout"], held).items()}
     reference_terms: dict[str, float] = {}
     if reference is not None:
-        logprobs, arguments = reference
-        held = _device_bytes(arguments[0])
+        held = _device_bytes(reference[1][0])
         persistent["reference"] = held
         reference_terms = {f"reference_{name}": value
-                           for name, value in _transient(_analysis(logprobs, *arguments), held).items()}
+                           for name, value in _transient(analyses["reference"], held).items()}
     capacity, capacity_name, runtime = device_capacity(devices)
     return MemoryPlan(persistent, train, rollout_terms, runtime, mesh, remat, dtype, capacity, capacity_name,
                       reference=reference_terms, source="compiled")
