@@ -104,9 +104,29 @@ def build_tokenizer(texts: list[str], path: Path, vocab_size: int = 2048) -> Non
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
 
 
+def model_config(preset: str):
+    """The model `--model-preset` names: a preset, or a preset with some dimensions changed,
+    `small@d_model=512,d_ff=2048,n_heads=8` (the placement model's calibration runs small models of more
+    than one width: bench/tpu.sh's placement-runs). Its name says what changed."""
+    from locojax.model import get_preset
+
+    base, _, changes = preset.partition("@")
+    config = get_preset(base)
+    if not changes:
+        return config
+    fields = {}
+    for item in changes.split(","):
+        key, _, value = item.partition("=")
+        if key not in {"d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "head_dim"} or not value.isdigit():
+            raise SystemExit(f"--model-preset {preset}: expected NAME@FIELD=INT,... over d_model, d_ff, n_layers, "
+                             f"n_heads, n_kv_heads, head_dim; got {item!r}")
+        fields[key] = int(value)
+    return dataclasses.replace(config, name=preset, **fields)
+
+
 def input_paths(work: Path, preset: str) -> dict[str, Path]:
     """Where a work directory holds the HF directory, its tokenizer and the JSONL."""
-    model = work / f"{preset}-random"
+    model = work / f"{preset.replace('@', '-').replace(',', '-').replace('=', '')}-random"
     return {"model": model, "tokenizer": model / "tokenizer.json", "data": work / "gsm8k.jsonl"}
 
 
@@ -114,20 +134,20 @@ def build_inputs(work: Path, seed: int, preset: str, weights: bool = True) -> di
     """The HF directory (weights built in a child process so this one stays small), its tokenizer and
     the JSONL. Without `weights`, only the JSONL and tokenizer: all the peer reads (it builds its own
     random model). Both are deterministic in `seed` (`inputs_sha256` in scale.json checks it)."""
-    from locojax.model import get_preset
-
     paths = input_paths(work, preset)
     records = gsm8k_records(64, seed)
     paths["data"].write_text("".join(json.dumps(r) + "\n" for r in records))
     if weights:
-        code = (f"from locojax.model import create_model, get_preset\n"
+        code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
+                f"from scale import model_config\n"
+                f"from locojax.model import create_model\n"
                 f"from locojax.model.hf import save_hf_checkpoint\n"
-                f"save_hf_checkpoint(create_model(get_preset({preset!r}), seed={seed}), {str(paths['model'])!r})\n")
+                f"save_hf_checkpoint(create_model(model_config({preset!r}), seed={seed}), {str(paths['model'])!r})\n")
         subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=_env())
     paths["model"].mkdir(parents=True, exist_ok=True)
     # The tokenizer's ids must fit the model's vocabulary (the dev presets have 384 ids).
     build_tokenizer([r["question"] + "\n" + r["answer"] for r in records], paths["tokenizer"],
-                    vocab_size=min(2048, get_preset(preset).vocab_size))
+                    vocab_size=min(2048, model_config(preset).vocab_size))
     return paths
 
 
@@ -685,12 +705,11 @@ def peer_memory_estimate(config, args, kl_coef: float) -> dict:
 def peer_config(paths, args, peer_steps: int) -> dict:
     """The harness's CONFIG.json: the very RunSpec the LoCoJAX side trains (dims from its preset; algo,
     optimizer and sampling from the validated spec, defaults included) and the prompts `run_co` draws."""
-    from locojax.model import get_preset
     from locojax.spec import RunSpec, TaskSpec
     from locojax.tasks import host_shard, make_task
     from locojax.tokenizer import load_tokenizer
 
-    preset = get_preset(args.model_preset)
+    preset = model_config(args.model_preset)
     # Tunix's Qwen3 always has QK-norm: only a Qwen3 preset is the same model on both sides.
     assert preset.arch == "qwen3" and preset.qk_norm, preset
     spec = RunSpec.model_validate(make_spec(paths, args, "scale-peer", None))
@@ -800,14 +819,13 @@ def steady_part(values: list[float]) -> list[float]:
 
 def run_peer(paths, args, work: Path) -> dict:
     """Tunix's GRPOLearner on the same spec, prompts and tokenizer: `peer` for scale.json, ran or not."""
-    from locojax.model import get_preset
 
     bench = _grpo_step_bench()
     # LoCoJAX's step_s is the median of its steps after the first. The harness times a step from one
     # batch pull to the next, so its last step has no period: one more step gives the same count.
     peer_steps = args.steps + 1
     config = peer_config(paths, args, peer_steps)
-    preset = get_preset(args.model_preset)
+    preset = model_config(args.model_preset)
     memory = peer_memory_estimate(preset, args, config["algo"]["kl_coef"])
     meminfo = _meminfo_gib()
     memory.update(mem_total_gib=meminfo["MemTotal"], mem_available_gib=meminfo["MemAvailable"],
@@ -918,7 +936,6 @@ def summarise(args, limits: dict | None, rounds: list[dict], rest: dict | None, 
     """scale.json's figures from the phases' results (the limits' figures, where they were measured
     in this run, by `apply_limits`). Model FLOPs count the prompts' real lengths from `paths`' task
     and tokenizer; without `paths`, every prompt slot."""
-    from locojax.model import get_preset
 
     step_times = [r["step_s"] for r in rounds]
     train_s = statistics.median(r["train_s"] for r in rounds)
@@ -926,7 +943,7 @@ def summarise(args, limits: dict | None, rounds: list[dict], rest: dict | None, 
     # The prompts of the steps step_s and train_s are medians of (every step after the first).
     prompts = (prompt_lengths(paths, args, range(1, max(args.steps, 2))) if paths is not None
                else [args.prompt_tokens] * args.prompts * args.group)
-    flops = train_model_flops(get_preset(args.model_preset), args, prompts,
+    flops = train_model_flops(model_config(args.model_preset), args, prompts,
                               statistics.median(completions) if completions else args.new_tokens)
     peak = max(r["peak_rss_gib"] for r in rounds)
     planned = rounds[0]["planned_gib"]
@@ -1174,13 +1191,12 @@ def load_for_peer_only(args, work: Path) -> tuple[dict, str]:
     """The existing scale.json a --peer-only run adds to, and where the peer's inputs come from. The
     file's batch, steps and seed become this run's, so the peer repeats the LoCoJAX run it describes;
     the JSONL and tokenizer are the --work directory's, or rebuilt from the seed where it lacks them."""
-    from locojax.model import get_preset
 
     result = load_recorded_run(args, "--peer-only")
     args.remat = result["batch"]["remat"]
     args.steps, args.seed = result["steps_completed"], result.get("seed", args.seed)
     recorded = result["limits"]["config"]
-    preset = get_preset(args.model_preset)
+    preset = model_config(args.model_preset)
     if any(getattr(preset, key) != value for key, value in recorded.items()):
         raise SystemExit(f"{args.out} records a model {recorded}, not the {args.model_preset} preset")
     paths = input_paths(work, args.model_preset)

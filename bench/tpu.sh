@@ -25,8 +25,8 @@
 #                runs' files in OUTDIR/scale_runs.tar.gz
 #   limits       ~4 min (9 min): bench/scale.py's limits at the same batch (HBM bandwidth, bf16 matmul
 #                peak, the decode loop timed alone)
-#   placement-runs ~4 min (9 min): four `locojax train` runs of the small preset (PLACEMENT_CONFIGS, dtype:remat:
-#                prompts:group:prompt:new), each run's files in OUTDIR/placement_runK.tar.gz, for the placement
+#   placement-runs ~6 min (9 min): six `locojax train` runs of the small preset at two widths (PLACEMENT_CONFIGS,
+#                dtype:remat:prompts:group:prompt:new[:model]), each run's files (placement_runK.tar.gz) in OUTDIR/placement_runs.tar.gz, for the placement
 #                model's out-of-sample TPU calibration (bench/placement_tpu.py predict); not in the default list
 #   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT)
 # Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
@@ -161,21 +161,27 @@ c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, O
 
 # The placement model's TPU calibration (issue 41): `locojax train` runs of a small preset (never the 0.6B it
 # predicts) at varied batches, dtypes and remat, each run's directory (environment.json included) packed
-# in OUTDIR/placement_runK.tar.gz for `bench/placement_tpu.py predict`.
-PLACEMENT_CONFIGS=${PLACEMENT_CONFIGS:-"bfloat16:full:16:8:64:128 float32:full:4:4:96:128 float32:none:8:8:64:64 bfloat16:full:32:8:64:128"}
+# in OUTDIR/placement_runK.tar.gz, all of them in OUTDIR/placement_runs.tar.gz, for `bench/placement_tpu.py predict`.
+# A config's optional 7th field is its model (bench/scale.py's --model-preset: a preset, or one with some
+# dimensions changed); the default calibrates from the small preset at two widths, 256 and 512, since runs
+# of one width cannot tell the MFU from how it falls with width (locojax/placement/calibration.py).
+PLACEMENT_CONFIGS=${PLACEMENT_CONFIGS:-"bfloat16:full:16:8:64:128 float32:full:4:4:96:128 float32:none:8:8:64:64 bfloat16:full:32:8:64:128 bfloat16:full:16:8:64:128:small@d_model=512,d_ff=2048,n_heads=8,n_kv_heads=8 float32:full:4:4:96:128:small@d_model=512,d_ff=2048,n_heads=8,n_kv_heads=8"}
 placement_runs() {
   local k=0 failed=0 config
   for config in $PLACEMENT_CONFIGS; do
     k=$((k + 1))
-    IFS=: read -r dtype remat prompts group prompt_tokens new_tokens <<< "$config"
+    IFS=: read -r dtype remat prompts group prompt_tokens new_tokens preset <<< "$config"
     rm -rf "$targets/placement-work/run$k"
     # shellcheck disable=SC2086
     "$py" bench/scale.py --platform "$platform" --no-rest --no-peer --skip-limits --rounds 1 --steps 6 \
-      --model-preset "${PLACEMENT_PRESET:-small}" --dtype "$dtype" --remat "$remat" --prompts "$prompts" \
+      --model-preset "${preset:-${PLACEMENT_PRESET:-small}}" --dtype "$dtype" --remat "$remat" --prompts "$prompts" \
       --group "$group" --prompt-tokens "$prompt_tokens" --new-tokens "$new_tokens" \
       --work "$targets/placement-work/run$k" --runs-tar "$out/placement_run$k.tar.gz" \
       --out "$out/placement_run$k.json" --load-note "one TPU chip, nothing else on it" ${PLACEMENT_ARGS:-} || failed=1
   done
+  # One file back from the machine, however many runs (a device call returns a few files only).
+  (cd "$out" && tar czf placement_runs.tar.gz placement_run[0-9]*.json placement_run[0-9]*.tar.gz \
+    && rm -f placement_run[0-9]*.json placement_run[0-9]*.tar.gz) || failed=1
   return $failed
 }
 
