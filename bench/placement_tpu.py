@@ -18,7 +18,8 @@ configuration, the RunSpec fragment priced and the predicted step, phases and sp
 model dimensions, dtype, remat, KL, batch, lengths, placement; `--match NAME=RUN_DIR` forces one),
 and adds `measurements` (each run's medians and its relative errors on the step and on each phase) and
 `max_rel_error` on the step (target 0.20, goal 0.10). It never rewrites `calibration` or `predictions`:
-the file's earlier content is kept as it was and checked unchanged before writing.
+the file's earlier content is kept as it was and checked unchanged before writing. A later `predict`
+starts a new round and keeps the file's earlier rounds, scored or not, under `earlier_rounds`.
 
 A dry run on the CPU: `--hardware local-cpu` with CPU run directories (labelled by their hardware).
 """
@@ -183,7 +184,7 @@ def score(args) -> dict[str, Any]:
     if not args.output.is_file():
         raise SystemExit(f"error: {args.output}: not found; run `predict` first")
     data = json.loads(args.output.read_text(encoding="utf-8"))
-    committed = json.dumps({key: data.get(key) for key in ("calibration", "predictions")}, sort_keys=True)
+    committed = json.dumps({key: data.get(key) for key in ("calibration", "predictions", "earlier_rounds")}, sort_keys=True)
     by_name = {prediction["name"]: prediction for prediction in data["predictions"]}
     sources = {run["digest"] for run in data["calibration"]["source_runs"]}
     forced = {}
@@ -224,7 +225,7 @@ def score(args) -> dict[str, Any]:
     data.update(measurements=measurements, max_rel_error=max_rel_error,
                 within_target=max_rel_error <= TARGET_REL_ERROR, within_goal=max_rel_error <= GOAL_REL_ERROR,
                 scored_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), scored_commit=git_commit())
-    unchanged = json.dumps({key: data.get(key) for key in ("calibration", "predictions")}, sort_keys=True)
+    unchanged = json.dumps({key: data.get(key) for key in ("calibration", "predictions", "earlier_rounds")}, sort_keys=True)
     assert unchanged == committed, "scoring must not change the committed calibration or predictions"
     print(f"max_rel_error={max_rel_error:.3f} (target {TARGET_REL_ERROR}, goal {GOAL_REL_ERROR})")
     return data
@@ -248,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         sub.add_argument("--output", type=Path, default=RESULTS, help=f"the results file (default {RESULTS})")
     args = parser.parse_args(argv)
     data = predict(args) if args.command == "predict" else score(args)
+    if args.command == "predict" and args.output.exists():
+        # A new round of predictions keeps the earlier rounds, scored or not, as they were.
+        earlier = json.loads(args.output.read_text(encoding="utf-8"))
+        rounds = earlier.pop("earlier_rounds", [])
+        data["earlier_rounds"] = [*rounds, earlier]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.output}")

@@ -158,6 +158,11 @@ def test_placement_tpu_predicts_then_scores_without_touching_the_predictions(sma
         placement_tpu.main(["score", str(other), "--output", str(output)])
     assert math.isfinite(scored["max_rel_error"])
 
+    # A new round of predictions keeps the scored round whole.
+    placement_tpu.main(["predict", *map(str, small_dirs), "--output", str(output)])
+    second = json.loads(output.read_text())
+    assert second["earlier_rounds"] == [scored] and "measurements" not in second
+
 
 def test_recommend_prices_with_a_calibration_file(small_dirs, tmp_path):
     from typer.testing import CliRunner
