@@ -19,7 +19,10 @@ does, and none in rollouts, as LoCoJAX's; see `rollouts_without_remat`);
 special ids the LoCoJAX side uses, in place of the byte tokenizer (a model whose vocabulary is a BPE's,
 e.g. bench/scale.py's Qwen3-0.6B). With `algo.kl_coef` 0 no reference model is built: Tunix's GRPO
 skips the reference log-probs at beta 0 and `RLCluster` takes `reference=None`, so the run holds only
-the policy, its gradients and AdamW state, as LoCoJAX's does at kl_coef 0.
+the policy, its gradients and AdamW state, as LoCoJAX's does at kl_coef 0. `model.dtype` ("float32"
+default, or "bfloat16"): the Qwen3's dtype and param_dtype. `lora` = {"rank", "alpha"}: Tunix's LoRA
+(qwix adapters on every linear layer of the base model, which stays the frozen reference; only the
+adapters train), as LoCoJAX's `model.lora` with every target.
 
 How a step is timed: `GRPOLearner.train` pulls one batch from the training iterator at the start of
 each global step (rollout -> reference log-probs -> rewards -> advantages -> train step -> metrics)
@@ -135,6 +138,11 @@ def rollouts_without_remat(generate, model_config, none):
     return wrapper
 
 
+# Every linear layer of Tunix's Qwen3 (attention einsums and MLP projections), as `model.lora.targets`
+# q, k, v, o, gate, up, down.
+LORA_MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+
+
 def main(config_path: str) -> None:
     with open(config_path, encoding="utf-8") as fh:
         cfg = json.load(fh)
@@ -162,15 +170,30 @@ def main(config_path: str) -> None:
         num_layers=dims["n_layers"], vocab_size=dims["vocab_size"], embed_dim=dims["d_model"],
         hidden_dim=dims["d_ff"], num_heads=dims["n_heads"], head_dim=dims["head_dim"],
         num_kv_heads=dims["n_kv_heads"], rope_theta=int(dims["rope_theta"]), norm_eps=dims["norm_eps"],
-        use_tied_embedding=dims["tie_embeddings"], dtype="float32", param_dtype="float32",
+        use_tied_embedding=dims["tie_embeddings"], dtype=dims.get("dtype", "float32"),
+        param_dtype=dims.get("dtype", "float32"),
         remat_config={"none": qwen3.RematConfig.NONE,
                       "full": qwen3.RematConfig.DECODER}[dims.get("remat", "none")],
     )
+    lora = cfg.get("lora")  # {rank, alpha}: adapters on every linear layer, as LoCoJAX's `model.lora`
     with jax.set_mesh(mesh):
-        actor = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
-        # The frozen reference starts equal to the policy, as LoCoJAX's does; at beta 0 there is none.
-        reference = (create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
-                     if algo["kl_coef"] != 0 else None)
+        if lora:
+            import qwix
+            from flax import nnx
+
+            # Tunix's own LoRA recipe (its GRPO CLI): qwix adapters on the base model, which stays the
+            # frozen reference (one copy of the weights); only the adapters train.
+            base = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
+            provider = qwix.LoraProvider(module_path=LORA_MODULES, rank=lora["rank"], alpha=lora["alpha"])
+            actor = qwix.apply_lora_to_model(base, provider, rngs=nnx.Rngs(cfg["seed"]), **base.get_model_input())
+            lora_values = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.LoRAParam)))
+            assert lora_values > 0, "qwix matched no linear layer of Tunix's Qwen3"
+            reference = base if algo["kl_coef"] != 0 else None
+        else:
+            actor = create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
+            # The frozen reference starts equal to the policy, as LoCoJAX's does; at beta 0 there is none.
+            reference = (create_dummy_model(qwen3.Qwen3, model_config, mesh=mesh, random_seed=cfg["seed"])
+                         if algo["kl_coef"] != 0 else None)
     tokenizer = FileTokenizer(**cfg["tokenizer"]) if cfg.get("tokenizer") else ByteTokenizer()
 
     rollout_config = base_rollout.RolloutConfig(
@@ -282,6 +305,8 @@ def main(config_path: str) -> None:
         "generated": generated,
         "train_steps": int(cluster.actor_trainer.train_steps),
         "reference_model": reference is not None,
+        "lora": {**lora, "adapter_values": lora_values} if lora else None,
+        "dtype": dims.get("dtype", "float32"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "versions": {"jax": jax.__version__, "tunix": _version("google-tunix"), "flax": _version("flax"),
                      "optax": _version("optax")},
