@@ -89,7 +89,8 @@ THROUGHPUT_TRAIN_TOKENS = _define(
 # --- memory: where the runtime reports it (accelerators; XLA:CPU reports nothing, so CPU runs carry none).
 MEMORY_DEVICE_PEAK = _define(
     "memory/device_peak_gib", "GiB", "max",
-    "highest peak_bytes_in_use of this host's devices since the engine started, to set beside the memory plan")
+    "highest peak of this host's devices since the engine started (the allocator's peak_bytes_in_use plus the "
+    "runtime's peak_bytes_reserved for programs' temporaries, on a TPU), to set beside the memory plan")
 
 # --- rewards: every host scores equally many samples, so the mean of host means is the global
 # mean; reward/std aggregated as a mean of host stds is an approximation (it omits the spread

@@ -162,13 +162,24 @@ def throughput(tokens: float, seconds: float) -> float:
     return float(tokens) / seconds if seconds > 0 else 0.0
 
 
+def device_peak_bytes(stats: Mapping[str, Any]) -> float | None:
+    """A device's peak from its runtime's statistics: the allocator's `peak_bytes_in_use` (buffers)
+    plus `peak_bytes_reserved` where the runtime reports it. A TPU's runtime reserves each program's
+    temporaries apart from the allocator's buffers: a program with 3.0 GiB of temporaries left
+    `peak_bytes_in_use` unchanged and `peak_bytes_reserved` at 3.0 GiB (bench/tpu_memory_probe.py), so
+    the in-use peak alone missed every activation, gradient and KV cache. The sum is what the memory
+    plan forecasts: the buffers held, plus the largest program's temporaries."""
+    in_use = stats.get("peak_bytes_in_use")
+    if in_use is None:
+        return None
+    return float(in_use) + float(stats.get("peak_bytes_reserved") or 0)
+
+
 def device_memory_metrics(devices: Sequence[Any]) -> dict[str, float]:
-    """`memory/device_peak_gib`: the highest `peak_bytes_in_use` among `devices`, read from the runtime's
-    allocator (the figure the memory plan is a forecast of). Devices whose runtime reports no
-    statistics (XLA:CPU) contribute nothing; with none reporting, the metric is left out rather than
-    logged as 0."""
-    peaks = [stats["peak_bytes_in_use"] for device in devices
-             if (stats := device.memory_stats() or {}).get("peak_bytes_in_use") is not None]
+    """`memory/device_peak_gib`: the highest `device_peak_bytes` among `devices` (the figure the memory
+    plan is a forecast of). Devices whose runtime reports no statistics (XLA:CPU) contribute nothing;
+    with none reporting, the metric is left out rather than logged as 0."""
+    peaks = [peak for device in devices if (peak := device_peak_bytes(device.memory_stats() or {})) is not None]
     return {MEMORY_DEVICE_PEAK: max(peaks) / 2**30} if peaks else {}
 
 

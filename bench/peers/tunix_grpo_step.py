@@ -312,7 +312,10 @@ def main(config_path: str) -> None:
                      "optax": _version("optax")},
         "devices": len(jax.devices()),
         # The allocator's high-water mark where the runtime reports one (an accelerator's), for memory headroom.
-        "peak_device_gib": ((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use") or 0) / 2**30 or None,
+        # A TPU runtime reserves programs' temporaries apart from the allocator's buffers: both count
+        # (bench/tpu_memory_probe.py), as in LoCoJAX's `memory/device_peak_gib`.
+        "peak_device_gib": (((stats := jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use") or 0)
+                            + (stats.get("peak_bytes_reserved") or 0)) / 2**30 or None,
         "device": {"platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind},
         # The benchmark runs both sides with JAX's persistent compilation cache off: every run compiles cold.
         "compilation_cache": {"enabled": bool(jax.config.jax_enable_compilation_cache),

@@ -208,6 +208,9 @@ def test_device_memory_peak_is_the_highest_reported_peak_and_absent_where_nothin
     devices = [_ReportingDevice({"peak_bytes_in_use": 3 * gib, "bytes_limit": 80 * gib}),
                _ReportingDevice({"peak_bytes_in_use": 5 * gib // 2}), _ReportingDevice(None)]
     assert m.device_memory_metrics(devices) == {"memory/device_peak_gib": 3.0}
+    # A TPU runtime reserves programs' temporaries apart from the allocator's buffers: both count.
+    tpu = _ReportingDevice({"peak_bytes_in_use": gib, "peak_bytes_reserved": 3 * gib, "bytes_reserved": 3 * gib})
+    assert m.device_memory_metrics([*devices, tpu]) == {"memory/device_peak_gib": 4.0}
     assert m.METRICS["memory/device_peak_gib"].across_hosts == "max"
     # XLA:CPU reports no allocator statistics: a CPU run logs no metric rather than a made-up 0.
     if jax.devices()[0].memory_stats() is None:
