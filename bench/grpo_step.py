@@ -91,7 +91,7 @@ C_PROMPTS = (64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
 # Seconds a run of each side is expected to take on a TPU v5e, cold (chip open, model built, compiled,
 # steps): what the budget check reserves before it starts one (the run's own wall time replaces it once
 # a run of that side has finished).
-EXPECTED_RUN_S = {"a": 90.0, "b": 110.0, "c": 200.0}
+EXPECTED_RUN_S = {"a": 90.0, "b": 110.0, "c": 200.0, "lora": 300.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +108,9 @@ class Workload:
     remat: str = "none"
     dtype: str = "float32"
     scale_inputs: bool = False  # bench/scale.py's HF directory, tokenizer.json and GSM8K JSONL (size c)
+    hf_weights: bool = True  # with scale_inputs: start from its random-weight HF directory, else from the preset
+    lora_rank: int = 0  # > 0: LoRA on every linear layer (ours: model.lora; Tunix: qwix), alpha = lora_alpha
+    lora_alpha: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -128,7 +131,14 @@ SIZES = {
     "b": Workload("b", "small", prompts=32, group=8, new_tokens=128, prompt_slots=64, kl_coef=0.04),
     "c": Workload("c", "qwen3-0.6b", prompts=4, group=4, new_tokens=128, prompt_slots=96, kl_coef=0.0,
                   remat="full", scale_inputs=True),
+    # Issue 40: LoRA rank 16 on every linear layer of a random-init bfloat16 Qwen3-1.7B on both sides,
+    # 96 prompt + 256 new tokens, 64 rows or the largest both fit (`--rows search --max-prompts 8`);
+    # bench/scale.py's tokenizer and JSONL, no HF directory (a 1.7B one would be 7 GB of random weights).
+    "lora": Workload("lora", "qwen3-1.7b", prompts=8, group=8, new_tokens=256, prompt_slots=96, kl_coef=0.0,
+                     remat="full", dtype="bfloat16", scale_inputs=True, hf_weights=False, lora_rank=16,
+                     lora_alpha=32.0),
 }
+LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
 def _scale_bench():
@@ -144,6 +154,11 @@ def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs:
         scale = _scale_bench()
         spec = scale.make_spec(inputs, work.scale_args(steps), f"bench-grpo-step-{work.size}",
                                Path(output_dir) if output_dir else None)
+        if not work.hf_weights:
+            spec["model"] = {"preset": work.preset, "tokenizer": str(inputs["tokenizer"]), "dtype": work.dtype,
+                             "remat": work.remat}
+        if work.lora_rank:
+            spec["model"]["lora"] = {"rank": work.lora_rank, "alpha": work.lora_alpha, "targets": LORA_TARGETS}
         return RunSpec.model_validate(spec)
     return RunSpec(
         name=f"bench-grpo-step-{work.size}", seed=SEED,
@@ -164,7 +179,11 @@ def peer_config(work: Workload, steps: int, inputs: dict | None) -> dict:
     """The harness's CONFIG.json: the model's dimensions, the very prompts `run_co` draws at each step
     (host 0 of 1), the algorithm and optimizer settings."""
     if work.scale_inputs:
-        return _scale_bench().peer_config(inputs, work.scale_args(steps), steps)
+        config = _scale_bench().peer_config(inputs, work.scale_args(steps), steps)
+        config["model"]["dtype"] = work.dtype
+        if work.lora_rank:
+            config["lora"] = {"rank": work.lora_rank, "alpha": work.lora_alpha}
+        return config
     from locojax.model import get_preset
     from locojax.tasks import host_shard, make_task
 
@@ -378,10 +397,14 @@ def locojax_side(args) -> None:
         "periods_s": [sink.stamps[k] - sink.stamps[k - 1] for k in kept],
         "cpu_s": [sink.cpu[k] - sink.cpu[k - 1] for k in kept],  # process CPU seconds (all threads)
         "phases_s": {name: [sink.records[k].get(name, 0.0) for k in kept] for name in PHASES},
+        # Non-padding tokens each kept step trained on (prompt + completion), for model-FLOP counts.
+        "train_tokens": [sink.records[k].get("throughput/train_tokens_per_s", 0.0) * sink.records[k].get("time/train", 0.0)
+                         for k in kept],
         # From the mode's setup (chip open, memory plan and the programs it compiles, model built) to the
         # end of step 0: time/setup + its time/step. Step 0 alone would hide the ahead-of-loop compile.
         "first_step_s": sink.records[0].get("time/setup", 0.0) + sink.records[0]["time/step"],
         "step0_s": sink.records[0]["time/step"],
+        "steps_completed": len(sink.records),
         "setup_and_first_step_s": sink.stamps[0] - started,  # run_co's setup (model built) and step 0
         "total_s": total,
         "generated": generated[:args.steps],
@@ -585,7 +608,8 @@ def peer_candidates(work: Workload, capacity_bytes: float, max_prompts: int) -> 
     preset = get_preset(work.preset)
     fitting, estimates = [], []
     for prompts in [p for p in C_PROMPTS if p <= max_prompts]:
-        estimate = scale.peer_memory_estimate(preset, work.with_prompts(prompts).scale_args(0), work.kl_coef)
+        estimate = scale.peer_memory_estimate(preset, work.with_prompts(prompts).scale_args(0), work.kl_coef,
+                                              lora_rank=work.lora_rank)
         fits = estimate["estimate_gib"] * GiB <= capacity_bytes
         estimates.append({"rows": prompts * work.group, "estimate_gib": estimate["estimate_gib"], "fits": fits})
         if fits:
@@ -718,6 +742,7 @@ def per_run_record(run: dict) -> dict:
     """What a part keeps of one run (the generated-token log is summarised by its identical-work check)."""
     keep = ("side", "round", "rows", "ok", "error", "periods_s", "cpu_s", "phases_s", "first_step_s", "step0_s",
             "setup_and_first_step_s", "total_s", "wall_s", "load_avg_1m", "peak_rss_mib", "peak_device_gib",
+            "train_tokens", "steps_completed",
             "planned_gib", "plan_line", "peak_device_after_failed_attempt", "identical_work", "compilation_cache", "profile", "device", "versions",
             "reference_model", "last_step_s", "log", "stderr_tail")
     record = {k: run[k] for k in keep if k in run}
@@ -731,8 +756,12 @@ def workload_record(work: Workload, args) -> dict:
               "prompts": work.prompts, "group_size": work.group, "rows": work.rows, "new_tokens": work.new_tokens,
               "prompt_slots": work.prompt_slots, "early_stop": False, "temperature": 1.0, "kl_coef": work.kl_coef,
               "remat": work.remat, "num_iterations": NUM_ITERATIONS}
+    if work.lora_rank:
+        record.update(lora={"rank": work.lora_rank, "alpha": work.lora_alpha, "targets": LORA_TARGETS,
+                            "peer": "qwix LoraProvider on every linear layer (Tunix's own recipe)"})
     if work.scale_inputs:
-        record.update(task="gsm8k (bench/scale.py's JSONL and tokenizer.json; random-weight HF directory)",
+        weights = "random-weight HF directory" if work.hf_weights else "the preset's random init on each side"
+        record.update(task=f"gsm8k (bench/scale.py's JSONL and tokenizer.json; {weights})",
                       spec="bench/scale.py make_spec (kl_coef 0, lr 1e-6, the spec's default clipping and "
                            "loss aggregation)", group_varies_by="prompts (rows search)")
     else:
@@ -785,7 +814,7 @@ def main() -> None:
     parser.add_argument("--model-preset", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = 6 if args.size == "c" else 9
+        args.steps = 6 if args.size == "c" else 5 if args.size == "lora" else 9
     if args.profile_steps is None:
         args.profile_steps = 3 if args.platform == "tpu" else 0
     if args.steps < args.warmup + 2 or args.warmup < 1:
@@ -799,8 +828,8 @@ def main() -> None:
         args.out = RESULTS
     if args.platform != "cpu" and not args.peer_python:
         parser.error("--platform tpu needs --peer-python (and --peer-path): nothing is installed at benchmark time")
-    if args.size != "c" and (args.rows or args.rows_from):
-        parser.error("--rows and --rows-from are for size c")
+    if not SIZES[args.size].scale_inputs and (args.rows or args.rows_from):
+        parser.error("--rows and --rows-from are for sizes c and lora")
 
     from bench.tpu_merge import part_header
 
@@ -811,7 +840,7 @@ def main() -> None:
     if work.scale_inputs:
         args.work = args.work or Path(tempfile.mkdtemp(prefix="grpo-step-c-"))
         args.work.mkdir(parents=True, exist_ok=True)
-        inputs = prepare_scale_inputs(args.work, work.preset)
+        inputs = prepare_scale_inputs(args.work, work.preset, weights=work.hf_weights)
     peer_python = args.peer_python or str(ensure_peer_venv())
     orchestrator = Orchestrator(args, work, inputs, logs, peer_python)
     load_start = os.getloadavg()
@@ -888,13 +917,15 @@ def main() -> None:
     print(f"ratio_vs_peer={result['ratio_vs_peer']:.2f}")
 
 
-def prepare_scale_inputs(work_dir: Path, preset: str) -> dict:
-    """bench/scale.py's inputs in `work_dir`: built once (deterministic in the seed), reused after."""
+def prepare_scale_inputs(work_dir: Path, preset: str, weights: bool = True) -> dict:
+    """bench/scale.py's inputs in `work_dir`: built once (deterministic in the seed), reused after;
+    without `weights`, its tokenizer and JSONL alone."""
     scale = _scale_bench()
     paths = scale.input_paths(work_dir, preset)
-    if not ((paths["model"] / "config.json").is_file() and paths["tokenizer"].is_file() and paths["data"].is_file()):
+    if not (((paths["model"] / "config.json").is_file() or not weights) and paths["tokenizer"].is_file()
+            and paths["data"].is_file()):
         print(f"building bench/scale.py's {preset} inputs in {work_dir} ...", flush=True)
-        paths = scale.build_inputs(work_dir, SEED, preset)
+        paths = scale.build_inputs(work_dir, SEED, preset, weights=weights)
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -685,21 +685,34 @@ def _oom_kills() -> int | None:
     return None
 
 
-def peer_memory_estimate(config, args, kl_coef: float) -> dict:
+def peer_memory_estimate(config, args, kl_coef: float, lora_rank: int = 0) -> dict:
     """What a float32 Tunix GRPO step holds at least: policy, gradients and AdamW's two moments (and a
     reference model when the KL term is on), plus ~3 full-vocabulary float32 logits tensors over every
-    slot (Tunix computes log-probs from the logits of the whole prompt + completion sequence)."""
+    slot (Tunix computes log-probs from the logits of the whole prompt + completion sequence). With
+    `lora_rank`, one copy of the weights in `args.dtype` (the frozen base, also the reference) and the
+    adapters' float32 values, gradients and moments (rank x (in + out) per projection, all seven)."""
     from locojax.model.config import param_count
 
     params = param_count(config)
-    copies = 4 + (1 if kl_coef else 0)
     rows, slots = args.prompts * args.group, args.prompt_tokens + args.new_tokens
-    state_gib = copies * 4 * params / GiB
     logits_gib = 3 * rows * slots * config.vocab_size * 4 / GiB
+    logits_terms = f"3 x {rows} rows x {slots} slots x {config.vocab_size} vocab x 4 B (activations not counted)"
+    if lora_rank:
+        width_q, width_kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        per_layer = lora_rank * ((config.d_model + width_q) * 2 + (config.d_model + width_kv) * 2
+                                 + (config.d_model + config.d_ff) * 3)
+        adapters = per_layer * config.n_layers
+        weight_bytes = 2 if getattr(args, "dtype", "float32") == "bfloat16" else 4
+        state_gib = (weight_bytes * params + 4 * 4 * adapters) / GiB
+        return {"params": params, "adapter_params": adapters, "state_gib": state_gib, "logits_gib": logits_gib,
+                "estimate_gib": state_gib + logits_gib,
+                "estimate_terms": f"{weight_bytes} B x {params} params + 4 x 4 B x {adapters} adapter values + "
+                                  + logits_terms}
+    copies = 4 + (1 if kl_coef else 0)
+    state_gib = copies * 4 * params / GiB
     return {"params": params, "float32_copies_of_params": copies, "state_gib": state_gib, "logits_gib": logits_gib,
             "estimate_gib": state_gib + logits_gib,
-            "estimate_terms": f"{copies} x 4 B x {params} params + 3 x {rows} rows x {slots} slots x "
-                              f"{config.vocab_size} vocab x 4 B (activations not counted)"}
+            "estimate_terms": f"{copies} x 4 B x {params} params + " + logits_terms}
 
 
 def peer_config(paths, args, peer_steps: int) -> dict:

@@ -28,7 +28,11 @@
 #   placement-runs ~6 min (9 min): six `locojax train` runs of the small preset at two widths (PLACEMENT_CONFIGS,
 #                dtype:remat:prompts:group:prompt:new[:model]), each run's files (placement_runK.tar.gz) in OUTDIR/placement_runs.tar.gz, for the placement
 #                model's out-of-sample TPU calibration (bench/placement_tpu.py predict); not in the default list
-#   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT)
+#   lora-1.7b    ~8 min (9 min): bench/grpo_step.py --size lora (issue 40): LoRA rank 16 on every linear layer
+#                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
+#                fit, 2 rounds; not in the default list
+#   lora-4b      ~8 min (9 min): the same at Qwen3-4B, 1 round; not in the default list
+#   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT): also lora_tpu.json
 # Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
 # `install` (with `tests`) first. Nothing is pip-installed after the install stage.
 #
@@ -37,7 +41,8 @@
 # not hold the size-c-rows part, e.g. an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu);
 # WORK (/tmp/locojax-tpu/work: the 0.6B inputs, which size c builds once per machine); COMMAND_S (below);
 # LOCOJAX_BENCH_COMMIT (the commit measured: set it where the checkout is a copy, its .git may be stale);
-# SCALE_ARGS, GRPO_ARGS, C_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's:
+# SCALE_ARGS, GRPO_ARGS, C_ARGS, LORA_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's,
+#   of the lora stages';
 #   a dry run here: PLATFORM=cpu SCALE_ARGS="--model-preset tiny" C_ARGS="--model-preset small --max-prompts 2").
 set -u
 out=${1:?usage: bash bench/tpu.sh OUTDIR [STAGE ...]}
@@ -215,8 +220,14 @@ for name in $stages; do
       --decode-rows "" --work "$work" --out "$out/part_limits.json" --load-note "one TPU chip, nothing else on it" \
       ${SCALE_ARGS:-} ;;
     placement-runs) stage placement-runs 540 placement_runs ;;
+    # shellcheck disable=SC2086
+    lora-1.7b) stage lora-1.7b 540 grpo lora-1.7b lora --rows search --max-prompts 8 --rounds 2 --work "$work" \
+      ${LORA_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    lora-4b) stage lora-4b 540 grpo lora-4b lora --model-preset qwen3-4b --rows search --max-prompts 8 --rounds 1 \
+      --work "$work" ${LORA_ARGS:-} ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs lora-1.7b lora-4b merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"

@@ -13,7 +13,8 @@ bench/results/tpu_parts/ and merges them, on any machine (no JAX needed):
     over its parts (size c: the rows-search part and the rounds parts at the rows both sides fit) and
     summarised by bench/grpo_step.py's own `summarise`;
   * scale_tpu.json: the `scale` part (bench/scale.py's 0.6B bf16 rounds), completed by the `limits`
-    part's machine limits (bench/scale.py `apply_limits`) and the `tests` part's `tpu_tests`.
+    part's machine limits (bench/scale.py `apply_limits`) and the `tests` part's `tpu_tests`;
+  * lora_tpu.json: the `lora-*` parts (bench/grpo_step.py --size lora, one model each; `merge_lora`).
 Both list their parts (`parts`: file, stage, commit, date) and say `mixed_commits: true` when the parts
 measured different sources.
 """
@@ -145,7 +146,7 @@ def merge_size(size: str, parts: list[dict]) -> dict:
 
 
 def merge_grpo(parts: list[dict]) -> dict | None:
-    grpo = [part for part in parts if part.get("benchmark") == "grpo_step"]
+    grpo = [part for part in parts if part.get("benchmark") == "grpo_step" and part.get("size") in GRPO_SIZES]
     if not grpo:
         return None
     record, mixed = parts_record(grpo)
@@ -156,6 +157,78 @@ def merge_grpo(parts: list[dict]) -> dict | None:
             "commit": merged_commit(record), "parts": record, "mixed_commits": mixed, "sizes": sizes,
             "method": "bench/grpo_step.py per size; ratio_vs_peer = peer_step_s / locojax_step_s, the median "
                       "steady step of each side's pooled runs, both sides compiling cold; see each size's parts"}
+
+
+LORA_TARGET_RATIO = {"ratio_vs_peer": 1.5, "goal": 2.0}  # issue 40, at Qwen3-1.7B
+
+
+def lora_train_flops_per_token(config, rank: int, targets: list[str], tokens_per_row: float) -> dict:
+    """Model FLOPs per trained token of a LoRA step, MaxText's way (a rematerialised forward not counted):
+    the frozen projections and head run forward and pass the input gradient back (4 x their parameters),
+    the adapters also get weight gradients (6 x theirs), attention as in bench/scale.py's count
+    (6 x layers x heads x head_dim x the row's length, per token, causal)."""
+    q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    shapes = {"q": (config.d_model, q_width), "k": (config.d_model, kv_width), "v": (config.d_model, kv_width),
+              "o": (q_width, config.d_model), "gate": (config.d_model, config.d_ff),
+              "up": (config.d_model, config.d_ff), "down": (config.d_ff, config.d_model)}
+    frozen = config.n_layers * sum(a * b for a, b in shapes.values()) + config.vocab_size * config.d_model
+    adapters = config.n_layers * sum(rank * (a + b) for name, (a, b) in shapes.items() if name in targets)
+    attention = 6 * config.n_layers * config.n_heads * config.head_dim * tokens_per_row
+    return {"flops_per_token": 4 * frozen + 6 * adapters + attention, "frozen_matmul_params": frozen,
+            "adapter_params": adapters,
+            "method": "4 x frozen matmul params (forward + input gradient; LM head incl.) + 6 x adapter params "
+                      "+ causal attention 6 x layers x heads x head_dim x row length, per non-padding token; "
+                      "remat's recompute not counted"}
+
+
+def merge_lora(parts: list[dict]) -> dict | None:
+    """bench/results/lora_tpu.json (issue 40) from the `lora` parts of bench/grpo_step.py, one model each:
+    its rows, step, rollout tokens/s, train phase against the measured matmul peak (the limits part's)
+    on LoRA's model FLOPs, peak vs plan, and where the peer ran, the ratio."""
+    import statistics
+
+    from bench.scale import model_config
+
+    lora = [part for part in parts if part.get("benchmark") == "grpo_step" and part.get("size") == "lora"]
+    if not lora:
+        return None
+    limits = [part for part in parts if part.get("benchmark") == "scale_limits"]
+    peak = limits[-1]["limits"]["matmul_peak_gflop_s"] * 1e9 if limits else None
+    models = {}
+    for preset in dict.fromkeys(part["workload"]["preset"] for part in lora):
+        merged = merge_size("lora", [part for part in lora if part["workload"]["preset"] == preset])
+        work = merged["workload"]
+        rows = merged.get("rows")
+        ours = [run for run in merged["per_run"] if run.get("side") == "locojax" and run.get("ok")
+                and run.get("rows") == rows]
+        tokens = [t for run in ours for t in run.get("train_tokens", []) if t]
+        train_s = merged.get("time/train")
+        figures = {"steps_completed": max((run.get("steps_completed") or 0 for run in ours), default=0),
+                   "rows": rows, "step_s": merged.get("locojax_step_s"),
+                   "rollout_tokens_per_s": (rows * work["new_tokens"] / merged["time/rollout"]
+                                            if rows and merged.get("time/rollout") else None),
+                   "peak_device_vs_plan": merged.get("peak_device_vs_plan"),
+                   "peak_device_gib": merged.get("peak_device_gib"), "planned_gib": merged.get("planned_gib")}
+        if tokens and train_s and peak and rows:
+            count = lora_train_flops_per_token(model_config(preset), work["lora"]["rank"], work["lora"]["targets"],
+                                               statistics.median(tokens) / rows)
+            figures["train_model_flops_per_step"] = count["flops_per_token"] * statistics.median(tokens)
+            figures["train_vs_matmul_peak"] = figures["train_model_flops_per_step"] / train_s / peak
+            figures["train_flops"] = count
+        if merged.get("ratio_vs_peer") is not None:
+            figures.update(ratio_vs_peer=merged["ratio_vs_peer"], peer_step_s=merged.get("peer_step_s"),
+                           target=LORA_TARGET_RATIO,
+                           meets_target=merged["ratio_vs_peer"] >= LORA_TARGET_RATIO["ratio_vs_peer"])
+        models[preset] = {**figures, "detail": merged}
+    used = lora + limits[-1:]
+    record, mixed = parts_record(used)
+    platform, device_kind = _platform(used)
+    return {"benchmark": "lora_tpu", "platform": platform, "device_kind": device_kind,
+            "commit": merged_commit(record), "parts": record, "mixed_commits": mixed, "models": models,
+            "matmul_peak_flops": peak,
+            "method": "bench/grpo_step.py --size lora per model (LoRA rank 16 on every linear layer, bfloat16, "
+                      "96 prompt + 256 new tokens, 64 rows or the largest that fit); train_vs_matmul_peak on "
+                      "LoRA's model FLOPs (lora_train_flops_per_token) over the limits part's measured peak"}
 
 
 def merge_scale(parts: list[dict]) -> dict | None:
@@ -200,7 +273,8 @@ def main() -> None:
     if not parts:
         raise SystemExit(f"no part_*.json in {args.parts_dir}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, merged in (("grpo_step_tpu.json", merge_grpo(parts)), ("scale_tpu.json", merge_scale(parts))):
+    for name, merged in (("grpo_step_tpu.json", merge_grpo(parts)), ("scale_tpu.json", merge_scale(parts)),
+                         ("lora_tpu.json", merge_lora(parts))):
         if merged is None:
             print(f"{name}: no parts for it")
             continue
