@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from locojax.modes import KIND_MODES, spec_mode
 
@@ -24,6 +24,38 @@ Kind = Literal["grpo", "sft"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# The projections a LoRA adapter may attach to, by their short names (PEFT's `q_proj` ... `down_proj`).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _known_lora_target(value: str) -> str:
+    if value not in LORA_TARGETS:
+        raise ValueError(f"unknown target {value!r} (one of {', '.join(LORA_TARGETS)})")
+    return value
+
+
+class LoRASpec(_Strict):
+    """Low-rank adapters: only they are trained; the base weights stay frozen (README, "LoRA")."""
+
+    rank: int = Field(8, ge=1, le=65536, strict=True, description="r: the adapters' inner dimension")
+    alpha: float = Field(16.0, gt=0.0, le=1e6, description="the low-rank path is scaled by alpha / rank")
+    targets: list[Annotated[str, AfterValidator(_known_lora_target)]] = Field(
+        default_factory=lambda: ["q", "k", "v", "o"], min_length=1, max_length=len(LORA_TARGETS),
+        description=f"projections that get an adapter, among {', '.join(LORA_TARGETS)}")
+    init_from: str | None = Field(
+        None, max_length=4096,
+        description="a saved adapter to start from: a PEFT directory (adapter_config.json + "
+        "adapter_model.safetensors, as `export` writes) whose rank and targets match")
+
+    @field_validator("targets")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        repeated = sorted({t for t in value if value.count(t) > 1})
+        if repeated:
+            raise ValueError(f"target {repeated[0]!r} is listed twice")
+        return value
 
 
 class ModelSpec(_Strict):
@@ -43,6 +75,8 @@ class ModelSpec(_Strict):
         "auto", description="how the forward runs the decoder layers, whose parameters are stacked either way: "
         "true under one lax.scan (XLA compiles one layer body, not one per layer: far shorter first steps), "
         "false unrolled; auto: unrolled on CPU, where it runs faster, scanned on accelerators")
+    lora: LoRASpec | None = Field(
+        None, description="train low-rank adapters on a frozen base instead of every weight (GRPO and SFT)")
 
     @field_validator("preset")
     @classmethod
@@ -259,7 +293,11 @@ class SpecError(ValueError):
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc)
+    """`model.lora.targets[2]`: names joined by dots, list positions in brackets."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
 
 
 def parse_spec(data: Any, source: str = "spec") -> RunSpec:
@@ -269,7 +307,7 @@ def parse_spec(data: Any, source: str = "spec") -> RunSpec:
     try:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
-        errors = [(_field_path(err["loc"]), err["msg"]) for err in exc.errors()]
+        errors = [(_field_path(err["loc"]), err["msg"].removeprefix("Value error, ")) for err in exc.errors()]
         raise SpecError(errors, source) from None
 
 

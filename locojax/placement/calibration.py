@@ -35,7 +35,7 @@ import numpy as np
 
 from locojax import contract as c
 from locojax.contract import METRICS_FILE, SPEC_FILE, EngineEnvironment, read_environment
-from locojax.model.config import PRESETS, ModelConfig
+from locojax.model.config import PRESETS, LoRAConfig, ModelConfig
 from locojax.placement.cost_model import (
     HOST_CONSTANTS,
     MODE_COSTS,
@@ -263,7 +263,11 @@ def model_config_from_json(fields: Mapping[str, Any], where: str = "model") -> M
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
     try:
-        return ModelConfig(**dict(fields))
+        fields = dict(fields)
+        if isinstance(fields.get("lora"), Mapping):  # recorded as an object (dataclasses.asdict)
+            lora = dict(fields["lora"])
+            fields["lora"] = LoRAConfig(**{**lora, "targets": tuple(lora.get("targets", ()))})
+        return ModelConfig(**fields)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
 
