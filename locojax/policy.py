@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from locojax.model import LoRAConfig, ModelConfig, create_model, get_preset
+from locojax.placement.memory import spec_lora_config
 from locojax.rollout import SamplingConfig
 from locojax.spec import RunSpec
 from locojax.tokenizer import Tokenizer, load_tokenizer
@@ -28,8 +29,7 @@ class Policy:
 
 def lora_config(spec: RunSpec) -> LoRAConfig | None:
     """The spec's model.lora as the model's config (None: every weight is trained)."""
-    lora = spec.model.lora
-    return None if lora is None else LoRAConfig(rank=lora.rank, alpha=float(lora.alpha), targets=tuple(lora.targets))
+    return spec_lora_config(spec)
 
 
 def _policy_config(spec: RunSpec) -> ModelConfig:

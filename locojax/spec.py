@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -288,16 +289,18 @@ class SpecError(ValueError):
 
     def __init__(self, errors: list[tuple[str, str]], source: str = "spec"):
         self.errors = errors
-        lines = "; ".join(f"{path or 'spec'}: {msg}" for path, msg in errors)
+        lines = "; ".join(f"{_shown_path(path) or 'spec'}: {msg}" for path, msg in errors)
         super().__init__(f"invalid {source}: {lines}")
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    """`model.lora.targets[2]`: names joined by dots, list positions in brackets."""
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path
+    return ".".join(str(part) for part in loc)
+
+
+def _shown_path(path: str) -> str:
+    """A field path as the message shows it: list positions in brackets (`model.lora.targets[2]`; the
+    `errors` list and the API keep the dotted form, `model.lora.targets.2`)."""
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
 
 
 def parse_spec(data: Any, source: str = "spec") -> RunSpec:

@@ -44,7 +44,7 @@ from locojax.model.sharding import batch_sharding, make_mesh, shard_state, state
 from locojax.compiled_plan import compiled_plan
 from locojax.placement.memory import MemoryPlan, MemoryPlanError, MeshShape, check_spec_fits, refusal
 from locojax.tasks import load_task_data
-from locojax.model.transformer import adapters_off
+from locojax.model.transformer import adapters_off, split_adapters
 from locojax.train import (
     model_params,
     reference_logprobs_fn,
@@ -368,8 +368,13 @@ def check_compiled_plan(spec: RunSpec, shapes: Policy, optimizer, mesh: jax.shar
     programs compiled here are the ones the run uses."""
     samples = spec_mode(spec).samples
     params = _abstract(shapes.params, state_shardings(shapes.params, mesh))
-    state = jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=spec.seed), params)
-    state = _abstract(state, train_state_shardings(state.replace(params=params), optimizer, mesh))
+    lora = spec.model.lora is not None
+    state = jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=spec.seed, lora=lora), params)
+    sharded = state.replace(params=params)
+    if lora:
+        frozen, adapters = split_adapters(params)
+        sharded = state.replace(params=adapters, frozen=frozen)
+    state = _abstract(state, train_state_shardings(sharded, optimizer, mesh))
     rows = spec.rollout.prompts_per_step * (spec.rollout.group_size if samples else 1)
     prompt_len, new_len = spec.rollout.max_prompt_tokens, spec.rollout.max_new_tokens
     layout = {"tokens": ((rows, prompt_len + new_len), jnp.int32), "prompt_mask": ((rows, prompt_len), jnp.bool_),

@@ -46,6 +46,7 @@ from locojax.placement.cost_model import (
     constant_values,
     estimate_step,
 )
+from locojax.placement.memory import spec_lora_config
 from locojax.placement.hardware import HardwareProfile
 from locojax.placement.workloads import WORKLOADS, WorkloadProfile
 from locojax.spec import RunSpec, load_spec, parse_spec
@@ -281,7 +282,7 @@ def run_model_config(spec: RunSpec, environment: EngineEnvironment | None, where
     if spec.model.checkpoint:
         raise ValueError(f"{where}: the spec starts from model.checkpoint {spec.model.checkpoint!r} and the run "
                          "recorded no environment.json, so the model's dimensions are unknown")
-    return PRESETS[spec.model.preset]
+    return PRESETS[spec.model.preset].replace(lora=spec_lora_config(spec))
 
 
 def observation_from(spec: RunSpec, model: ModelConfig, measured: StepMeasurement, label: str = "") -> Observation:
@@ -299,7 +300,7 @@ def observation_for_run(run: MeasuredRun, skip_steps: int = DEFAULT_SKIP_STEPS, 
     if require_model_dims or run.environment is not None:
         model = run_model_config(spec, run.environment, run.source)
     else:
-        model = PRESETS[spec.model.preset]
+        model = PRESETS[spec.model.preset].replace(lora=spec_lora_config(spec))
     return observation_from(spec, model, measured, label=run.source)
 
 
