@@ -61,7 +61,8 @@ CompilerOptions = Mapping[str, Any] | None
 
 @flax.struct.dataclass
 class TrainState:
-    """All mutable training state, one pytree (checkpointed whole, donated to the step)."""
+    """All training state, one pytree: checkpointed and donated to the step whole, except LoRA's
+    `frozen` base weights, which the step reads beside it and a checkpoint leaves out."""
 
     step: jax.Array  # int32 []: train steps (batches) completed
     params: nnx.State  # the trained params: the whole model's, or with LoRA its adapters alone
