@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--result", type=Path, default=RESULT,
+                        help="where to write the JSON (another file for a run at other settings)")
     args = parser.parse_args()
 
     from locojax.commands import configure_jax
@@ -119,14 +121,14 @@ def main() -> None:
         "target_ratio": 0.8, "meets_target": ratio is not None and ratio >= 0.8,
         "runs": runs,
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    args.result.parent.mkdir(parents=True, exist_ok=True)
+    args.result.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"{'run':6} {'lr':>8} {'acc before':>10} {'acc after':>10} {'gain':>7} {'s/step':>7} {'ckpt bytes':>11} load")
     for name, lr in (("full", args.full_lr), ("lora", args.lora_lr)):
         r = runs[name]
         print(f"{name:6} {lr:8.0e} {r['accuracy'][0]:10.3f} {r['accuracy'][-1]:10.3f} {r['accuracy_gain']:+7.3f} "
               f"{r['s_per_step']:7.3f} {r['checkpoint_bytes'] or 0:11d} {r['load_avg_1m']}")
-    print(f"ratio (LoRA gain / full gain) = {result['ratio']} (target >= 0.8) -> {RESULT}")
+    print(f"ratio (LoRA gain / full gain) = {result['ratio']} (target >= 0.8) -> {args.result}")
 
 
 if __name__ == "__main__":
