@@ -232,8 +232,9 @@ def main() -> None:
             exe = train_step.lower(train_state[0], batch).compile()
             costs = _costs(exe)
 
-            def call(exe=exe):
-                train_state[0], metrics = exe(train_state[0], batch)
+            def call(exe=exe):  # the step's jitted part takes the frozen weights (LoRA; else None) apart
+                state, metrics = exe(train_state[0], train_state[0].frozen, batch)
+                train_state[0] = state.replace(frozen=train_state[0].frozen)
                 return train_state[0], metrics
         jax.block_until_ready(call())  # warm-up (and compile, for rollout)
         cases[name] = {"call": call, "flops": costs[0], "temp_mib": costs[1], "compile_s": time.perf_counter() - t0,

@@ -1,4 +1,7 @@
-"""Checkpoints: asynchronous Orbax saves of the whole `TrainState` plus JSON metadata, exact resume.
+"""Checkpoints: asynchronous Orbax saves of the `TrainState` plus JSON metadata, exact resume.
+
+With LoRA, `TrainState.params` are the adapters and the frozen base weights are not part of a checkpoint
+(the run rebuilds them from its spec), so a checkpoint holds adapters and their optimizer state alone.
 
 One checkpoint per saved step, named by the number of train steps completed (`state.step`), holds
 three Orbax items:
@@ -144,6 +147,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def step_bytes(self, step: int) -> int:
+        """Bytes on disk of the checkpoint of `step` (every file under its directory)."""
+        self._manager.wait_until_finished()
+        return directory_bytes(self.directory / str(step))
+
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
@@ -162,7 +170,9 @@ class Checkpointer:
         ))
         params = from_pure_dict(restored["params"], template.params)
         train = from_pure_dict(restored["train"], train_template)
-        state = TrainState(step=train["step"], params=params, opt_state=train["opt_state"], rng=train["rng"])
+        # With LoRA, `params` are the adapters alone; the frozen weights are the template's (never saved).
+        state = TrainState(step=train["step"], params=params, opt_state=train["opt_state"], rng=train["rng"],
+                           frozen=template.frozen)
         return state, dict(restored["extra"] or {})
 
     def restore_latest(self, template: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
@@ -187,6 +197,11 @@ class Checkpointer:
         self.close()
 
 
+def directory_bytes(directory: str | Path) -> int:
+    """Total size of the files under `directory` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+
+
 def load_params(directory: str | Path, template_params: Any, step: int | None = None) -> Any:
     """Only the params of a checkpoint (default: latest), in the template's tree and shardings; for
     warm-starting a run from another run's checkpoint (e.g. GRPO from SFT)."""
@@ -202,4 +217,4 @@ def load_params(directory: str | Path, template_params: Any, step: int | None = 
         manager.close()
 
 
-__all__ = ["Checkpointer", "from_pure_dict", "load_params", "to_pure_dict"]
+__all__ = ["Checkpointer", "directory_bytes", "from_pure_dict", "load_params", "to_pure_dict"]

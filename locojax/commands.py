@@ -405,20 +405,56 @@ def eval_command(
     # An Orbax checkpoint holds params only: the spec's own starting model gives their tree and shapes.
     policy = load_policy(_with(spec, model={**spec.model.model_dump(), "checkpoint": str(checkpoint)}) if hf else spec)
     if not hf:
-        from locojax.checkpoint import load_params
-
-        orbax = checkpoint / CHECKPOINTS_DIR if (checkpoint / CHECKPOINTS_DIR).is_dir() else checkpoint
-        try:
-            policy.params = load_params(orbax, policy.params)
-        except FileNotFoundError as exc:
-            typer.secho(f"--checkpoint: {exc}", fg="red", err=True)
-            raise typer.Exit(EXIT_SPEC_ERROR) from None
+        _restore_trained_params(spec, policy, checkpoint)
     evaluator = Evaluator(spec, eval_spec, policy, data.held_out, eval_rewards(eval_spec, data.train), 0,
                           jax.local_devices())
     result = evaluator.timed(policy.params)
     typer.echo(f"{m.EVAL_ACCURACY} {result[m.EVAL_ACCURACY]:.4f}  {m.EVAL_PASS_AT_K.replace('@k', f'@{eval_spec.k}')} "
                f"{result[m.EVAL_PASS_AT_K]:.4f}  on {int(result[m.EVAL_PROMPTS])} held-out {spec.task.name} prompts "
                f"({checkpoint}; {result[m.EVAL_TIME]:.1f} s)")
+
+
+def _restore_trained_params(spec: RunSpec, policy, checkpoint: Path) -> None:
+    """Set `policy`'s params to those of the Orbax checkpoint `checkpoint` (a run's directory or its
+    checkpoints/; the latest step). With model.lora a checkpoint holds the adapters alone: they go beside
+    the spec's own frozen base."""
+    from flax import nnx
+
+    from locojax.checkpoint import load_params
+    from locojax.model.transformer import split_adapters
+
+    orbax = checkpoint / CHECKPOINTS_DIR if (checkpoint / CHECKPOINTS_DIR).is_dir() else checkpoint
+    try:
+        if spec.model.lora is None:
+            policy.params = load_params(orbax, policy.params)
+        else:
+            frozen, adapters = split_adapters(policy.params)
+            policy.params = nnx.merge_state(frozen, load_params(orbax, adapters))
+    except FileNotFoundError as exc:
+        typer.secho(f"--checkpoint: {exc}", fg="red", err=True)
+        raise typer.Exit(EXIT_SPEC_ERROR) from None
+
+
+def export_command(
+    spec_path: Path = SpecArg,
+    checkpoint: Path = typer.Option(..., help="the run's Orbax checkpoints: <output_dir>/checkpoints or "
+                                    "<output_dir> (its latest step)"),
+    out: Path = typer.Option(..., help="where to write model/ (and, with model.lora, adapter/)"),
+) -> None:
+    """Export a run's trained policy: <out>/model, a Hugging Face directory (with model.lora the adapters
+    merged into the weights), and with model.lora also <out>/adapter, the adapters alone in PEFT's format
+    (adapter_config.json + adapter_model.safetensors) for `peft.PeftModel.from_pretrained`."""
+    spec = _load(spec_path)
+    configure_jax(spec.placement.devices_per_host)
+    from flax import nnx
+
+    from locojax.modes.sft import export_policy
+    from locojax.policy import load_policy
+
+    policy = load_policy(spec)
+    _restore_trained_params(spec, policy, checkpoint)
+    for written in export_policy(nnx.merge(policy.graphdef, policy.params), out):
+        typer.echo(f"wrote {written}")
 
 
 def demo(
@@ -445,6 +481,7 @@ def register(app: typer.Typer) -> None:
     app.command("sc-worker")(sc_worker)
     app.command("sft")(sft)
     app.command("eval")(eval_command)
+    app.command("export")(export_command)
     app.command("demo")(demo)
 
 

@@ -8,7 +8,9 @@ time from abstract shapes (nothing is allocated) and takes XLA's own memory anal
 
   * persistent: the train state (params, AdamW moments, step, key) as the train step receives it,
     plus the frozen KL reference and the replicated copy rollout decodes from when training shards
-    the params (FSDP/tensor);
+    the params (FSDP/tensor). With LoRA the state's params and moments are the adapters', the frozen
+    weights a term of their own (counted once), and the KL reference only its zeroed adapters: it runs
+    on the same frozen buffers;
   * train: the step's temporaries (gradients, activations, logit chunks), its batch and the outputs
     it does not write over its donated state;
   * rollout: the generate program's temporaries (KV cache, sampling logits), its prompts and outputs;
@@ -67,9 +69,12 @@ def compiled_plan(*, train_step: Callable, abstract_state: Any, abstract_batch: 
     batch; `rollout` = (jitted generate, its abstract arguments, params first), whose params are
     `rollout_params` (the same buffers as the state's params unless training shards them);
     `reference` = (jitted KL log-prob pass, its abstract arguments, reference params first)."""
-    state_bytes = _device_bytes(abstract_state)
+    state_bytes = _device_bytes(abstract_state)  # the frozen weights (LoRA) included
     params_bytes = _device_bytes(abstract_state.params)
-    persistent = {"params": params_bytes, "optimizer": state_bytes - params_bytes}
+    frozen_bytes = _device_bytes(abstract_state.frozen)
+    persistent = {"params": params_bytes, "optimizer": state_bytes - params_bytes - frozen_bytes}
+    if abstract_state.frozen is not None:
+        persistent = {"frozen": frozen_bytes, "adapters": params_bytes, "optimizer": persistent["optimizer"]}
     programs = {"train": (train_step, (abstract_state, abstract_batch))}
     if rollout is not None:
         programs["rollout"] = rollout
@@ -86,7 +91,8 @@ def compiled_plan(*, train_step: Callable, abstract_state: Any, abstract_batch: 
     reference_terms: dict[str, float] = {}
     if reference is not None:
         held = _device_bytes(reference[1][0])
-        persistent["reference"] = held
+        # With LoRA the reference's weights are the frozen ones already counted; only its adapters are its own.
+        persistent["reference"] = held if abstract_state.frozen is None else max(0.0, held - frozen_bytes)
         reference_terms = {f"reference_{name}": value
                            for name, value in _transient(analyses["reference"], held).items()}
     capacity, capacity_name, runtime = device_capacity(devices)

@@ -133,6 +133,8 @@ SC_WORKER_TRAIN = _define("sc/worker_train", "s", "max",
 # --- DA only
 DA_STALENESS = _define("da/staleness", "steps", "max", "policy versions between sampling and training (<= 1)")
 DA_ROLLOUT_IDLE = _define("da/rollout_idle", "s", "mean", "rollout hosts waiting for new weights")
+DA_WEIGHT_SYNC_BYTES = _define("da/weight_sync_bytes", "bytes", "max",
+                               "DA: bytes pushed to each rollout host at a weight sync (LoRA: the adapters alone)")
 DA_TRAIN_IDLE = _define("da/train_idle", "s", "mean", "train hosts waiting for a rollout batch")
 
 
@@ -235,6 +237,7 @@ TENSORBOARD_DIR = "tensorboard"
 HOSTS_DIR = "hosts"  # hosts/host<i>.json: where host i is (step, phase, pid)
 CHECKPOINTS_DIR = "checkpoints"  # Orbax, unless spec.checkpoint.dir names another place
 EXPORT_DIR = "model"  # an SFT run's Hugging Face export, what a GRPO spec's model.checkpoint names
+ADAPTER_DIR = "adapter"  # a LoRA run's export: its adapters alone, in PEFT's format (beside EXPORT_DIR)
 CONTROL_DIR = ".control"  # the workers' files: start specs, cancel flags, the run-id marker
 RUN_MARKER = "run-id"  # .control/run-id: which run owns this directory (a reused id or name must not share it)
 
@@ -271,6 +274,7 @@ class RunResult:
     steps_done: int
     last_checkpoint_step: int | None
     final_metrics: dict[str, float]
+    checkpoint_bytes: int | None = None  # size on disk of the last checkpoint (LoRA: adapters alone)
 
 
 def write_result(out: Path, result: RunResult) -> None:

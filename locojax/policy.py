@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from locojax.model import ModelConfig, create_model, get_preset
+from locojax.model import LoRAConfig, ModelConfig, create_model, get_preset
+from locojax.placement.memory import spec_lora_config
 from locojax.rollout import SamplingConfig
 from locojax.spec import RunSpec
 from locojax.tokenizer import Tokenizer, load_tokenizer
@@ -26,8 +27,17 @@ class Policy:
     tokenizer: Tokenizer
 
 
+def lora_config(spec: RunSpec) -> LoRAConfig | None:
+    """The spec's model.lora as the model's config (None: every weight is trained)."""
+    return spec_lora_config(spec)
+
+
 def _policy_config(spec: RunSpec) -> ModelConfig:
     """The config `load_policy` builds, read without building the model (a HF directory's config.json)."""
+    return _base_config(spec).replace(lora=lora_config(spec))
+
+
+def _base_config(spec: RunSpec) -> ModelConfig:
     if not spec.model.checkpoint:
         return get_preset(spec.model.preset).replace(param_dtype=spec.model.dtype, dtype=spec.model.dtype,
                                                       scan_layers=spec.model.scan_layers)
@@ -56,7 +66,9 @@ def abstract_policy(spec: RunSpec) -> Policy:
 
 def load_policy(spec: RunSpec) -> Policy:
     """The starting policy: a preset initialised from the run's seed, or a local HF checkpoint
-    directory (e.g. `<output_dir>/model` of an SFT run). Every host builds bit-identical params."""
+    directory (e.g. `<output_dir>/model` of an SFT run). Every host builds bit-identical params.
+    With model.lora the model carries adapters: fresh ones (B = 0: the base model's outputs), or those
+    of the saved adapter `model.lora.init_from`."""
     tokenizer = load_tokenizer(spec.model.tokenizer)
     if spec.model.checkpoint:
         from locojax.model.hf import load_hf_checkpoint
@@ -66,8 +78,16 @@ def load_policy(spec: RunSpec) -> Policy:
             raise FileNotFoundError(f"model.checkpoint: {path} holds no config.json (expected a HF directory, "
                                     "e.g. <output_dir>/model of a finished SFT run)")
         model = load_hf_checkpoint(path, dtype=spec.model.dtype, scan_layers=spec.model.scan_layers)
+        if spec.model.lora is not None:
+            from locojax.model.hf import with_adapters
+
+            model = with_adapters(model, lora_config(spec), spec.seed)
     else:
         model = create_model(_policy_config(spec), seed=spec.seed)
+    if spec.model.lora is not None and spec.model.lora.init_from:
+        from locojax.model.hf import load_peft_adapter
+
+        model = load_peft_adapter(spec.model.lora.init_from, model)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"model.tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
                          f"{model.config.vocab_size}")

@@ -198,7 +198,12 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
         if where is not None:
             where.close()
         session.close()
-    result = RunResult(status.value, steps_done, last_checkpoint, combined)
+    checkpoint_bytes = None
+    if host == 0 and last_checkpoint is not None:
+        # What a checkpoint costs on disk (with LoRA: the adapters and their optimizer state alone).
+        checkpoint_bytes = sum(f.stat().st_size for f in (checkpoint_dir(spec) / str(last_checkpoint)).rglob("*")
+                               if f.is_file())
+    result = RunResult(status.value, steps_done, last_checkpoint, combined, checkpoint_bytes)
     if host == 0:
         write_result(out, result)
     return result

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from locojax.modes import KIND_MODES, spec_mode
 
@@ -24,6 +25,38 @@ Kind = Literal["grpo", "sft"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# The projections a LoRA adapter may attach to, by their short names (PEFT's `q_proj` ... `down_proj`).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _known_lora_target(value: str) -> str:
+    if value not in LORA_TARGETS:
+        raise ValueError(f"unknown target {value!r} (one of {', '.join(LORA_TARGETS)})")
+    return value
+
+
+class LoRASpec(_Strict):
+    """Low-rank adapters: only they are trained; the base weights stay frozen (README, "LoRA")."""
+
+    rank: int = Field(8, ge=1, le=65536, strict=True, description="r: the adapters' inner dimension")
+    alpha: float = Field(16.0, gt=0.0, le=1e6, description="the low-rank path is scaled by alpha / rank")
+    targets: list[Annotated[str, AfterValidator(_known_lora_target)]] = Field(
+        default_factory=lambda: ["q", "k", "v", "o"], min_length=1, max_length=len(LORA_TARGETS),
+        description=f"projections that get an adapter, among {', '.join(LORA_TARGETS)}")
+    init_from: str | None = Field(
+        None, max_length=4096,
+        description="a saved adapter to start from: a PEFT directory (adapter_config.json + "
+        "adapter_model.safetensors, as `export` writes) whose rank and targets match")
+
+    @field_validator("targets")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        repeated = sorted({t for t in value if value.count(t) > 1})
+        if repeated:
+            raise ValueError(f"target {repeated[0]!r} is listed twice")
+        return value
 
 
 class ModelSpec(_Strict):
@@ -43,6 +76,8 @@ class ModelSpec(_Strict):
         "auto", description="how the forward runs the decoder layers, whose parameters are stacked either way: "
         "true under one lax.scan (XLA compiles one layer body, not one per layer: far shorter first steps), "
         "false unrolled; auto: unrolled on CPU, where it runs faster, scanned on accelerators")
+    lora: LoRASpec | None = Field(
+        None, description="train low-rank adapters on a frozen base instead of every weight (GRPO and SFT)")
 
     @field_validator("preset")
     @classmethod
@@ -254,12 +289,18 @@ class SpecError(ValueError):
 
     def __init__(self, errors: list[tuple[str, str]], source: str = "spec"):
         self.errors = errors
-        lines = "; ".join(f"{path or 'spec'}: {msg}" for path, msg in errors)
+        lines = "; ".join(f"{_shown_path(path) or 'spec'}: {msg}" for path, msg in errors)
         super().__init__(f"invalid {source}: {lines}")
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in loc)
+
+
+def _shown_path(path: str) -> str:
+    """A field path as the message shows it: list positions in brackets (`model.lora.targets[2]`; the
+    `errors` list and the API keep the dotted form, `model.lora.targets.2`)."""
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
 
 
 def parse_spec(data: Any, source: str = "spec") -> RunSpec:
@@ -269,7 +310,7 @@ def parse_spec(data: Any, source: str = "spec") -> RunSpec:
     try:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
-        errors = [(_field_path(err["loc"]), err["msg"]) for err in exc.errors()]
+        errors = [(_field_path(err["loc"]), err["msg"].removeprefix("Value error, ")) for err in exc.errors()]
         raise SpecError(errors, source) from None
 
 

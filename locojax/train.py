@@ -47,7 +47,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from locojax import metrics as m
 from locojax.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, token_mean_weights
-from locojax.model import positions_from_mask
+from locojax.model import positions_from_mask, split_adapters
+from locojax.model.transformer import LoRAParam
 from locojax.placement.memory import LOGPROB_VOCAB_CHUNK, num_micro_batches
 from locojax.spec import AlgoSpec, OptimSpec
 
@@ -60,12 +61,25 @@ CompilerOptions = Mapping[str, Any] | None
 
 @flax.struct.dataclass
 class TrainState:
-    """All mutable training state, one pytree (checkpointed whole, donated to the step)."""
+    """All training state, one pytree: checkpointed and donated to the step whole, except LoRA's
+    `frozen` base weights, which the step reads beside it and a checkpoint leaves out."""
 
     step: jax.Array  # int32 []: train steps (batches) completed
-    params: nnx.State  # the policy's nnx.Param state
-    opt_state: optax.OptState
+    params: nnx.State  # the trained params: the whole model's, or with LoRA its adapters alone
+    opt_state: optax.OptState  # over `params` only
     rng: jax.Array  # uint32 [2]: the run's PRNG key; the mode splits it for sampling, the step leaves it
+    # With LoRA, the frozen base weights: read by the step, never updated, donated or checkpointed.
+    frozen: nnx.State | None = None
+
+    @property
+    def model_params(self) -> nnx.State:
+        """The model's whole param state (frozen weights and adapters together) for a forward pass."""
+        return model_params(self.params, self.frozen)
+
+
+def model_params(params: nnx.State, frozen: nnx.State | None) -> nnx.State:
+    """`params` completed by the `frozen` weights (no copy), or `params` itself when nothing is frozen."""
+    return params if frozen is None else nnx.merge_state(frozen, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,17 +136,42 @@ def decays(params):
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params) of a model whose only state is nnx.Param (true of locojax.model)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    """(graphdef, params) of a model whose only state is nnx.Param and LoRA adapters (true of
+    locojax.model); with adapters, `split_adapters(params)` tells them from the frozen weights."""
+    graphdef, params, rest = nnx.split(model, (nnx.Param, LoRAParam), ...)
     if jax.tree.leaves(rest):
         raise ValueError("the model holds non-Param state; TrainState.params would not capture it")
     return graphdef, params
 
 
-def init_train_state(params: nnx.State, optimizer: Optimizer, seed: int | jax.Array = 0) -> TrainState:
-    """A fresh state at step 0. `seed` is an int or an existing uint32[2] key."""
+def init_train_state(params: nnx.State, optimizer: Optimizer, seed: int | jax.Array = 0, *,
+                     lora: bool = False) -> TrainState:
+    """A fresh state at step 0. `seed` is an int or an existing uint32[2] key. `lora`: train the
+    adapters of `params` alone; the rest becomes the state's `frozen` weights, with no gradient and
+    no optimizer state."""
     rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.tx.init(params), rng=rng)
+    frozen = None
+    if lora:
+        frozen, params = split_adapters(params)
+        if not jax.tree.leaves(params):
+            raise ValueError("lora=True but the model holds no adapters (ModelConfig.lora is None)")
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.tx.init(params), rng=rng,
+                      frozen=frozen)
+
+
+def _donating_step(step_fn, compiler_options: CompilerOptions) -> StepFn:
+    """`step_fn(state, frozen, batch)` jitted with the trained part of the state donated, as
+    `step(state, batch)`. The frozen weights go in beside it, not donated: the rollout and the KL
+    reference read the same buffers between steps. `.lower(state, batch)` lowers it (compiled plans)."""
+    jitted = jax.jit(step_fn, donate_argnums=0, compiler_options=compiler_options)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        new_state, metrics = jitted(state.replace(frozen=None), state.frozen, batch)
+        return new_state.replace(frozen=state.frozen), metrics
+
+    step.lower = lambda state, batch: jitted.lower(state.replace(frozen=None), state.frozen, batch)
+    step.jitted = jitted
+    return step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,15 +308,16 @@ def _split_micro(batch: Mapping[str, jax.Array], num_micro: int) -> dict[str, ja
     return {k: split(v) for k, v in batch.items()}
 
 
-def _accumulate(loss_fn, params: nnx.State, micro: Mapping[str, jax.Array], num_micro: int):
-    """Sum of gradients and metrics of `loss_fn(params, micro_batch) -> (loss, metrics)` over the
-    micro-batches, one at a time under `lax.scan` so only one micro-batch's activations are live."""
+def _accumulate(loss_fn, params: nnx.State, frozen, micro: Mapping[str, jax.Array], num_micro: int):
+    """Sum of gradients and metrics of `loss_fn(params, frozen, micro_batch) -> (loss, metrics)` over the
+    micro-batches, one at a time under `lax.scan` so only one micro-batch's activations are live.
+    Gradients are taken with respect to `params` only (`frozen`: LoRA's base weights, or None)."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if num_micro == 1:
-        return grad_fn(params, {k: v[0] for k, v in micro.items()})
+        return grad_fn(params, frozen, {k: v[0] for k, v in micro.items()})
 
     def body(grad_sum, micro_batch):
-        grads, metrics = grad_fn(params, micro_batch)
+        grads, metrics = grad_fn(params, frozen, micro_batch)
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
         return grad_sum, metrics
 
@@ -288,7 +328,7 @@ def _accumulate(loss_fn, params: nnx.State, micro: Mapping[str, jax.Array], num_
 
 
 def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_per_micro: int):
-    """`grads_fn(params, micro) -> (grads, metrics)` summed over the whole (sharded) batch.
+    """`grads_fn(params, frozen, micro) -> (grads, metrics)` summed over the whole (sharded) batch.
 
     On a mesh whose only non-trivial axis is `data` (params replicated) and that splits every
     micro-batch evenly, each device accumulates its own rows' gradients and metrics under `shard_map`
@@ -296,16 +336,16 @@ def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_
     per step instead of one per parameter (see the module docstring for why that matters across
     processes). Otherwise (one device, fsdp/tensor sharding, uneven rows) `jax.jit` places the
     collectives itself."""
-    def plain(params, micro):
-        return _accumulate(loss_fn, params, micro, num_micro)
+    def plain(params, frozen, micro):
+        return _accumulate(loss_fn, params, frozen, micro, num_micro)
 
     data = mesh.shape.get("data", 1) if mesh is not None else 1
     if data <= 1 or rows_per_micro % data or any(
             size > 1 for axis, size in mesh.shape.items() if axis != "data"):
         return plain
 
-    def local(params, micro):
-        grads, metrics = _accumulate(loss_fn, params, micro, num_micro)
+    def local(params, frozen, micro):
+        grads, metrics = _accumulate(loss_fn, params, frozen, micro, num_micro)
         flat, unravel = ravel_pytree((grads, metrics))
         return unravel(jax.lax.psum(flat, "data"))
 
@@ -313,12 +353,12 @@ def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_
     # check_vma=False: with it, differentiating w.r.t. the replicated params would psum every
     # gradient leaf by itself (the transpose of the implicit pvary), which is what this avoids; here
     # `local` returns each device's partial sums and the one psum above adds them.
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(None, "data")),
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(None, "data")),
                          out_specs=PartitionSpec(), check_vma=False)
 
 
 def _gradient_plan(loss_fn, batch: Mapping[str, jax.Array], micro_batch_size: int | None, mesh: Mesh | None):
-    """(micro-batch count, `grads_fn(params, micro)`) of a step on `batch`: the count from
+    """(micro-batch count, `grads_fn(params, frozen, micro)`) of a step on `batch`: the count from
     `num_micro_batches` (the memory plan's rule) for this mesh's layout, the gradients from
     `packed_data_parallel_grads`."""
     batch_size, seq_len = batch["tokens"].shape[0], batch["tokens"].shape[1]
@@ -382,15 +422,15 @@ def make_train_step(
     required = ("tokens", "prompt_mask", "completion_mask", "old_logprobs", "advantages") + (
         ("ref_logprobs",) if use_kl else ())
 
-    def loss_fn(params, mb):
+    def loss_fn(params, frozen, mb):
         logp, entropy = completion_logprobs_and_entropy(
-            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], temperature, remat=remat)
+            graphdef, model_params(params, frozen), mb["tokens"], mb["prompt_mask"], mb["completion_mask"], temperature, remat=remat)
         return policy_loss(
             logp, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], mb["loss_weights"],
             mb["mean_weights"], clip_eps_low=clip_low, clip_eps_high=clip_high, kl_coef=algo.kl_coef,
             ref_logprobs=mb.get("ref_logprobs"), entropy=jax.lax.stop_gradient(entropy))
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def train_step(state: TrainState, frozen, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_batch(batch, required)
         completion_mask = batch["completion_mask"].astype(bool)
         num_micro, grads_fn = _gradient_plan(loss_fn, batch, algo.micro_batch_size, mesh)
@@ -403,7 +443,7 @@ def make_train_step(
 
         def update(carry, _):
             params, opt_state = carry
-            grads, metrics = grads_fn(params, micro)
+            grads, metrics = grads_fn(params, frozen, micro)
             params, opt_state, grad_norm = _apply(optimizer, params, opt_state, grads)
             return (params, opt_state), {**metrics, m.POLICY_GRAD_NORM: grad_norm}
 
@@ -416,7 +456,9 @@ def make_train_step(
         metrics[m.OPTIM_LR] = optimizer.lr_schedule(state.step)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return jax.jit(train_step, donate_argnums=0, compiler_options=compiler_options) if jit else train_step
+    if jit:
+        return _donating_step(train_step, compiler_options)
+    return lambda state, batch: train_step(state.replace(frozen=None), state.frozen, batch)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -437,24 +479,26 @@ def make_sft_step(
     one update per step, same optimizer and micro-batching as the GRPO step. Metrics: `loss/sft`
     (before the update), `policy/grad_norm`, `optim/lr`."""
 
-    def loss_fn(params, mb):
+    def loss_fn(params, frozen, mb):
         logp, _ = completion_logprobs_and_entropy(
-            graphdef, params, mb["tokens"], mb["prompt_mask"], mb["completion_mask"], 1.0, remat=remat)
+            graphdef, model_params(params, frozen), mb["tokens"], mb["prompt_mask"], mb["completion_mask"], 1.0, remat=remat)
         loss = -jnp.sum(mb["mean_weights"] * logp)
         return loss, {m.LOSS_SFT: loss}
 
-    def sft_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def sft_step(state: TrainState, frozen, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_batch(batch, ("tokens", "prompt_mask", "completion_mask"))
         completion_mask = batch["completion_mask"].astype(bool)
         num_micro, grads_fn = _gradient_plan(loss_fn, batch, micro_batch_size, mesh)
         inputs = {"tokens": batch["tokens"], "prompt_mask": batch["prompt_mask"],
                   "completion_mask": completion_mask, "mean_weights": token_mean_weights(completion_mask)}
-        grads, metrics = grads_fn(state.params, _split_micro(inputs, num_micro))
+        grads, metrics = grads_fn(state.params, frozen, _split_micro(inputs, num_micro))
         params, opt_state, grad_norm = _apply(optimizer, state.params, state.opt_state, grads)
         metrics = {**metrics, m.POLICY_GRAD_NORM: grad_norm, m.OPTIM_LR: optimizer.lr_schedule(state.step)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return jax.jit(sft_step, donate_argnums=0, compiler_options=compiler_options) if jit else sft_step
+    if jit:
+        return _donating_step(sft_step, compiler_options)
+    return lambda state, batch: sft_step(state.replace(frozen=None), state.frozen, batch)
 
 
 def tokens_in_batch(batch: Batch) -> int:
@@ -466,5 +510,5 @@ __all__ = [
     "Batch", "CompilerOptions", "LOGPROB_VOCAB_CHUNK", "Metrics", "Optimizer", "StepFn", "TrainState",
     "chunked_logprobs_and_entropy", "completion_logprobs_and_entropy",
     "init_train_state", "lr_schedule", "make_logprobs_fn", "make_optimizer", "make_sft_step",
-    "make_train_step", "packed_data_parallel_grads", "reference_logprobs_fn", "sequence_logprobs", "split_params", "tokens_in_batch",
+    "make_train_step", "model_params", "packed_data_parallel_grads", "reference_logprobs_fn", "sequence_logprobs", "split_params", "tokens_in_batch",
 ]

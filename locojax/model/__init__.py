@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import importlib
 
-from locojax.model.config import PRESETS, ModelConfig, get_preset, param_count
+from locojax.model.config import PRESETS, LoRAConfig, ModelConfig, get_preset, lora_param_count, param_count
 
-_DECODER_NAMES = ("Cache", "Transformer", "create_model", "forward", "init_cache", "layer_params",
-                  "positions_from_mask")
+_DECODER_NAMES = ("Cache", "LoRAParam", "Transformer", "adapters_off", "create_model", "forward", "init_cache",
+                  "layer_params", "positions_from_mask", "split_adapters")
 
 
 def __getattr__(name: str):
@@ -20,4 +20,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'locojax.model' has no attribute {name!r}")
 
 
-__all__ = ["PRESETS", "ModelConfig", "get_preset", "param_count", *_DECODER_NAMES]
+__all__ = ["PRESETS", "LoRAConfig", "ModelConfig", "get_preset", "lora_param_count", "param_count", *_DECODER_NAMES]

@@ -20,6 +20,31 @@ ScanLayers = Literal["auto"] | bool
 SCAN_LAYERS_AUTO: dict[str, bool] = {"cpu": False}
 
 
+# Projection short names (as in RunSpec model.lora.targets) -> the Hugging Face / PEFT module path.
+LORA_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the named projections: W x + (alpha / rank) B A x, A [rank, in], B [out, rank]."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha <= 0:
+            raise ValueError(f"LoRAConfig needs rank >= 1 and alpha > 0, got rank={self.rank}, alpha={self.alpha}")
+        unknown = [t for t in self.targets if t not in LORA_MODULES]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRAConfig.targets must be among {', '.join(LORA_MODULES)}, got {self.targets}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Dimensions of a Qwen3-architecture (or Llama-3.1) decoder.
@@ -47,6 +72,7 @@ class ModelConfig:
     # How the forward iterates the (always stacked) layers: under one `lax.scan` (XLA compiles one
     # layer body) or unrolled; "auto" decides per platform (`SCAN_LAYERS_AUTO`).
     scan_layers: ScanLayers = "auto"
+    lora: LoRAConfig | None = None  # adapters on top of the (then frozen) weights
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
@@ -79,6 +105,22 @@ class ModelConfig:
         return 2 * bytes_per_value * self.n_kv_heads * self.head_dim * self.n_layers
 
 
+def lora_projection_dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection an adapter may target."""
+    d, hd = config.d_model, config.head_dim
+    return {"q": (d, config.n_heads * hd), "k": (d, config.n_kv_heads * hd), "v": (d, config.n_kv_heads * hd),
+            "o": (config.n_heads * hd, d), "gate": (d, config.d_ff), "up": (d, config.d_ff),
+            "down": (config.d_ff, d)}
+
+
+def lora_param_count(config: ModelConfig) -> int:
+    """Adapter parameters of `config.lora` (0 without): rank * (in + out) per targeted projection and layer."""
+    if config.lora is None:
+        return 0
+    dims = lora_projection_dims(config)
+    return config.n_layers * config.lora.rank * sum(sum(dims[t]) for t in config.lora.targets)
+
+
 def param_count(config: ModelConfig) -> int:
     """Exact number of parameters of the decoder `locojax.model.Transformer(config)` builds."""
     d, hd = config.d_model, config.head_dim
@@ -87,7 +129,7 @@ def param_count(config: ModelConfig) -> int:
     norms = 2 * d + (2 * hd if config.qk_norm else 0)
     per_layer = attention + mlp + norms
     embeddings = config.vocab_size * d * (1 if config.tie_embeddings else 2)
-    return embeddings + config.n_layers * per_layer + d  # + final norm
+    return embeddings + config.n_layers * per_layer + d  # + final norm (adapters: `lora_param_count`)
 
 
 # Byte-level tokenizer vocabulary (256 bytes + BOS/EOS/PAD) padded up to a multiple of 128 so the

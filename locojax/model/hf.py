@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from locojax.model.config import ModelConfig, ScanLayers
+from locojax.model.config import LORA_MODULES, LoRAConfig, ModelConfig, ScanLayers
 from locojax.model.hf_config import CheckpointError, config_from_hf  # noqa: F401  (the names this module's users import)
 from locojax.model.transformer import Transformer
 
@@ -183,14 +183,38 @@ def row_major(x) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x))
 
 
+def _adapter_path(target: str, which: str) -> tuple[str, ...]:
+    """Where target's LoRA matrix `which` ("a" or "b") lives in our (stacked) state."""
+    module = "attention" if LORA_MODULES[target].startswith("self_attn") else "mlp"
+    return ("layers", module, f"{target}_lora_{which}")
+
+
+def _adapter_deltas(model: Transformer) -> dict[str, np.ndarray]:
+    """HF weight name -> scale * B @ A ([out, in], float32): what merging the adapters adds to it."""
+    lora = model.config.lora
+    if lora is None:
+        return {}
+    state = nnx.state(model)
+    deltas = {}
+    for target in lora.targets:
+        a = np.asarray(_variable_at(state, _adapter_path(target, "a"))[...], np.float32)  # [L, r, in]
+        b = np.asarray(_variable_at(state, _adapter_path(target, "b"))[...], np.float32)  # [L, out, r]
+        for i in range(model.config.n_layers):
+            deltas[f"model.layers.{i}.{LORA_MODULES[target]}.weight"] = lora.scale * (b[i] @ a[i])
+    return deltas
+
+
 def save_hf_checkpoint(model: Transformer, directory: str | Path) -> Path:
-    """Write `config.json` + `model.safetensors` that `transformers` (and `load_hf_checkpoint`) can read."""
+    """Write `config.json` + `model.safetensors` that `transformers` (and `load_hf_checkpoint`) can read.
+    A model with LoRA adapters is written merged: each adapted weight becomes W + (alpha/r) B A, so the
+    directory is a plain model of the same outputs (`save_peft_adapter` writes the adapters alone)."""
     from safetensors.numpy import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config
     _, state = nnx.split(model)
+    deltas = _adapter_deltas(model)
     host: dict[tuple[str, ...], np.ndarray] = {}  # path -> one host copy of our value
     tensors = {}
     for hf_name, path, layer, _, to_hf in _tensor_map(config):
@@ -198,7 +222,101 @@ def save_hf_checkpoint(model: Transformer, directory: str | Path) -> Path:
         # take the raw memory of whatever layout np.asarray returns (see `row_major`).
         if path not in host:
             host[path] = row_major(_variable_at(state, path)[...])
-        tensors[hf_name] = row_major(to_hf(host[path] if layer is None else host[path][layer]))
+        tensor = row_major(to_hf(host[path] if layer is None else host[path][layer]))
+        if hf_name in deltas:
+            tensor = (tensor.astype(np.float32) + deltas.pop(hf_name)).astype(tensor.dtype)
+        tensors[hf_name] = tensor
     (directory / "config.json").write_text(json.dumps(config_to_hf(config), indent=2), encoding="utf-8")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+# PEFT's names for the adapters of a causal LM (`PeftModelForCausalLM` wraps the model as base_model.model).
+PEFT_PREFIX = "base_model.model."
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def _peft_name(layer: int, target: str, which: str) -> str:
+    return f"{PEFT_PREFIX}model.layers.{layer}.{LORA_MODULES[target]}.lora_{which.upper()}.weight"
+
+
+def save_peft_adapter(model: Transformer, directory: str | Path, base_model: str | None = None) -> Path:
+    """Write the model's adapters as a PEFT LoRA adapter: `adapter_config.json` + `adapter_model.safetensors`
+    (lora_A.weight [r, in], lora_B.weight [out, r] per layer and target, float32), which
+    `peft.PeftModel.from_pretrained` loads onto the `transformers` base model."""
+    from safetensors.numpy import save_file
+
+    lora = model.config.lora
+    if lora is None:
+        raise ValueError("the model has no LoRA adapters to save (ModelConfig.lora is None)")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = nnx.state(model)
+    tensors = {}
+    for target in lora.targets:
+        for which in ("a", "b"):
+            stacked = row_major(np.asarray(_variable_at(state, _adapter_path(target, which))[...], np.float32))
+            for i in range(model.config.n_layers):
+                tensors[_peft_name(i, target, which)] = np.ascontiguousarray(stacked[i])
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+        "target_modules": sorted(LORA_MODULES[t].split(".")[-1] for t in lora.targets),
+    }
+    (directory / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    save_file(tensors, str(directory / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    return directory
+
+
+def load_peft_adapter(directory: str | Path, model: Transformer) -> Transformer:
+    """`model` with its adapters replaced by a saved PEFT adapter's (e.g. one `save_peft_adapter` wrote).
+    The adapter's rank, alpha and target modules must be the model's; errors name what differs."""
+    from safetensors import safe_open
+
+    lora = model.config.lora
+    if lora is None:
+        raise ValueError("the model has no LoRA adapters to load into (ModelConfig.lora is None)")
+    directory = Path(directory)
+    config_path, weights_path = directory / PEFT_CONFIG_FILE, directory / PEFT_WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: {path.name} not found (expected a PEFT LoRA adapter directory)")
+    saved = json.loads(config_path.read_text(encoding="utf-8"))
+    targets = sorted(LORA_MODULES[t].split(".")[-1] for t in lora.targets)
+    found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
+             "target_modules": sorted(saved.get("target_modules") or [])}
+    expected = {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": targets}
+    for key, value in expected.items():
+        if found[key] != value:
+            raise CheckpointError(f"{config_path}: {key} is {found[key]!r}, the spec's model.lora gives {value!r}")
+    state = nnx.state(model)
+    with safe_open(str(weights_path), framework="numpy") as handle:
+        names = set(handle.keys())
+        for target in lora.targets:
+            for which in ("a", "b"):
+                variable = _variable_at(state, _adapter_path(target, which))
+                shape = tuple(variable.get_value().shape)
+                layers = []
+                for i in range(model.config.n_layers):
+                    name = _peft_name(i, target, which)
+                    if name not in names:
+                        raise CheckpointError(f"{weights_path}: missing tensor {name!r}")
+                    tensor = handle.get_tensor(name)
+                    if tuple(tensor.shape) != shape[1:]:
+                        raise CheckpointError(f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                              f"expected {shape[1:]}")
+                    layers.append(tensor)
+                variable.set_value(jnp.asarray(np.stack(layers), variable.get_value().dtype))
+    nnx.update(model, state)
+    return model
+
+
+def with_adapters(model: Transformer, lora: LoRAConfig, seed: int) -> Transformer:
+    """`model`'s weights with fresh LoRA adapters (as `Transformer` draws them for `seed`) beside them."""
+    from locojax.model.transformer import create_model
+
+    adapted = create_model(model.config.replace(lora=lora), seed=seed)
+    nnx.update(adapted, nnx.state(model, nnx.Param))
+    return adapted

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from locojax.model.config import ModelConfig
+from locojax.model.config import LoRAConfig, ModelConfig, lora_projection_dims
 
 LAYER_AXIS = "layers"  # the logical name of the stacked parameters' leading axis
 
@@ -47,6 +47,45 @@ def _dtype(name: str) -> jnp.dtype:
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], fan_in: int, dtype: str) -> nnx.Param:
     init = jax.random.normal(rngs.params(), shape, jnp.float32) * (fan_in**-0.5)
     return nnx.Param(init.astype(_dtype(dtype)), axes=axes)
+
+
+class LoRAParam(nnx.Variable):
+    """A low-rank adapter matrix (LoRA's A [r, in] or B [out, r]). Its own variable type, not an
+    nnx.Param, so filters tell adapters from the frozen weights: `nnx.state(model, LoRAParam)`,
+    `split_adapters`."""
+
+
+# Attention's targets; the rest (gate, up, down) are the MLP's.
+_ATTENTION_TARGETS = ("q", "k", "v", "o")
+
+
+def _add_adapters(layer: "DecoderLayer", config: ModelConfig, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
+    """Give one (unstacked) layer an adapter per target: A ~ N(0, 1/in) and B = 0, so the low-rank path
+    adds exactly zero at first and the adapted model starts as the base model (bit for bit). Adapters
+    stay float32 whatever param_dtype is: they are small, and their optimizer updates need the range."""
+    dims = lora_projection_dims(config)
+    for target in lora.targets:
+        fan_in, fan_out = dims[target]
+        module = layer.attention if target in _ATTENTION_TARGETS else layer.mlp
+        a = jax.random.normal(rngs.params(), (lora.rank, fan_in), jnp.float32) * (fan_in**-0.5)
+        setattr(module, f"{target}_lora_a", LoRAParam(a, axes=("lora_rank", "lora_in")))
+        setattr(module, f"{target}_lora_b", LoRAParam(jnp.zeros((fan_out, lora.rank), jnp.float32),
+                                                      axes=("lora_out", "lora_rank")))
+
+
+def _project(module: nnx.Module, target: str, x2: jax.Array, weight: jax.Array, dt, scale: float,
+             decode: bool = False) -> jax.Array:
+    """`_linear(x2, weight)` plus, when `module` holds an adapter for `target`, its low-rank path
+    scale * (x2 A^T) B^T. The adapter is applied beside the frozen projection on every call (training,
+    prefill and each decode step alike), never merged into the weight: a merge would rewrite every
+    adapted [out, in] weight at each step, where the side path costs rank * (in + out) per row."""
+    out = _linear(x2, weight, dt, decode)
+    a = getattr(module, f"{target}_lora_a", None)
+    if a is None:
+        return out
+    b = getattr(module, f"{target}_lora_b")
+    low = (x2 @ a[...].astype(dt).T) * jnp.asarray(scale, dt)  # [N, r]
+    return out + low @ b[...].astype(dt).T
 
 
 class RMSNorm(nnx.Module):
@@ -233,16 +272,17 @@ class Attention(nnx.Module):
         c = self.config
         dt = _dtype(c.dtype)
         b, t = x.shape[:2]
+        scale = c.lora.scale if c.lora else 0.0
         x2 = x.astype(dt).reshape(b * t, c.d_model)
-        k = _linear(x2, self.k_proj[...].reshape(-1, c.d_model), dt, decode)
-        v = _linear(x2, self.v_proj[...].reshape(-1, c.d_model), dt, decode)
+        k = _project(self, "k", x2, self.k_proj[...].reshape(-1, c.d_model), dt, scale, decode)
+        v = _project(self, "v", x2, self.v_proj[...].reshape(-1, c.d_model), dt, scale, decode)
         if query_slots is None:
-            q = _linear(x2, self.q_proj[...].reshape(-1, c.d_model), dt, decode)
+            q = _project(self, "q", x2, self.q_proj[...].reshape(-1, c.d_model), dt, scale, decode)
             sin_q, cos_q = sin, cos
         else:
             start, stop = query_slots
             q_rows = x[:, start:stop].astype(dt).reshape(-1, c.d_model)
-            q = _linear(q_rows, self.q_proj[...].reshape(-1, c.d_model), dt)
+            q = _project(self, "q", q_rows, self.q_proj[...].reshape(-1, c.d_model), dt, scale)
             sin_q, cos_q, mask = sin[:, start:stop], cos[:, start:stop], mask[:, start:stop]
         tq = q.shape[0] // b
         q = q.reshape(b, tq, c.n_heads, c.head_dim)  # [B, Tq, H, Dh]
@@ -273,7 +313,7 @@ class Attention(nnx.Module):
             out = out.reshape(b, c.n_kv_heads, tq, c.q_per_kv, c.head_dim).transpose(0, 2, 1, 3, 4)
             out = out.reshape(b * tq, c.n_heads * c.head_dim)
         o_proj = self.o_proj[...].reshape(c.d_model, c.n_heads * c.head_dim)
-        return _linear(out, o_proj, dt, decode).reshape(b, tq, c.d_model), cache
+        return _project(self, "o", out, o_proj, dt, scale, decode).reshape(b, tq, c.d_model), cache
 
 
 class MLP(nnx.Module):
@@ -282,6 +322,7 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
         self.dtype = c.dtype
+        self.lora_scale = c.lora.scale if c.lora else 0.0
         self.gate_proj = _param(rngs, (c.d_ff, c.d_model), ("mlp", "embed"), c.d_model, c.param_dtype)
         self.up_proj = _param(rngs, (c.d_ff, c.d_model), ("mlp", "embed"), c.d_model, c.param_dtype)
         self.down_proj = _param(rngs, (c.d_model, c.d_ff), ("embed", "mlp"), c.d_ff, c.param_dtype)
@@ -290,9 +331,10 @@ class MLP(nnx.Module):
         dt = _dtype(self.dtype)
         b, t, d = x.shape
         x2 = x.astype(dt).reshape(b * t, d)
-        gate = _linear(x2, self.gate_proj[...], dt, decode)
-        up = _linear(x2, self.up_proj[...], dt, decode)
-        return _linear(_swiglu(gate, up), self.down_proj[...], dt, decode).reshape(b, t, d)
+        scale = self.lora_scale
+        gate = _project(self, "gate", x2, self.gate_proj[...], dt, scale, decode)
+        up = _project(self, "up", x2, self.up_proj[...], dt, scale, decode)
+        return _project(self, "down", _swiglu(gate, up), self.down_proj[...], dt, scale, decode).reshape(b, t, d)
 
 
 class DecoderLayer(nnx.Module):
@@ -328,10 +370,14 @@ class Transformer(nnx.Module):
         # Embedding std 0.02-ish via fan_in d_model keeps tied logits at a sane scale at init.
         self.embed = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.d_model, c.param_dtype)
         # Drawn layer by layer (the same values as L separate layers), kept stacked [L, ...].
-        self.layers = _stack_layers([DecoderLayer(c, rngs) for _ in range(c.n_layers)])
+        layers = [DecoderLayer(c, rngs) for _ in range(c.n_layers)]
         self.final_norm = RMSNorm(c.d_model, c.norm_eps, c.param_dtype)
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.d_model, c.param_dtype)
+        if c.lora is not None:  # drawn after every base weight, so the base is the same with or without LoRA
+            for layer in layers:
+                _add_adapters(layer, c, c.lora, rngs)
+        self.layers = _stack_layers(layers)
 
     def __call__(
         self,
@@ -467,6 +513,19 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: str | None 
     """An empty KV cache for `batch` rows and `max_len` slots, in the form (`Cache`) the forward's way
     of running the layers on this platform needs."""
     return Cache.create(config, batch, max_len, dtype, stacked=config.scans_layers(jax.default_backend()))
+
+
+def split_adapters(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(frozen weights, adapters) of a model's params; `nnx.merge_state` puts them back together."""
+    frozen, adapters = nnx.split_state(params, nnx.Not(LoRAParam), LoRAParam)
+    return frozen, adapters
+
+
+def adapters_off(adapters: nnx.State) -> nnx.State:
+    """Zero adapters of the same structure: the base model's output (B = 0 adds exactly nothing). The
+    KL reference runs the frozen weights with these, so it costs adapter-sized zeros, not a second
+    copy of the weights."""
+    return jax.tree.map(jnp.zeros_like, adapters)
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

@@ -80,7 +80,7 @@ class COSession(TrainerSession):
         if self.evaluator is None or not evaluation_due(self.spec.eval, step):
             return {}
         where(step, "eval")
-        return self.evaluator.timed(self.trainer.state.params)
+        return self.evaluator.timed(self.trainer.state.model_params)
 
     def step(self, step: int, timer: m.PhaseTimer, where: HostStatus) -> StepOutput:
         spec, trainer = self.spec, self.trainer
@@ -120,7 +120,7 @@ class COSession(TrainerSession):
 
     def _dispatch_rollout(self, step: int) -> DispatchedRollout:
         examples = prompts_for(self.trainer.task, self.spec, step, self.host, self.num_hosts)
-        local_params = to_local(self.trainer.state.params, self.runner.replicated)
+        local_params = to_local(self.trainer.state.model_params, self.runner.replicated)
         return self.runner.dispatch(local_params, examples, rollout_key(self.spec.seed, step),
                                     self.host * self.rows_per_host)
 
@@ -138,7 +138,7 @@ class COSession(TrainerSession):
         if self.evaluator is None:
             return None
         where(self.spec.steps, "eval")
-        return self.evaluator.timed(self.trainer.state.params)
+        return self.evaluator.timed(self.trainer.state.model_params)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -44,7 +44,9 @@ from locojax.model.sharding import batch_sharding, make_mesh, shard_state, state
 from locojax.compiled_plan import compiled_plan
 from locojax.placement.memory import MemoryPlan, MemoryPlanError, MeshShape, check_spec_fits, refusal
 from locojax.tasks import load_task_data
+from locojax.model.transformer import adapters_off, split_adapters
 from locojax.train import (
+    model_params,
     reference_logprobs_fn,
     TrainState,
     init_train_state,
@@ -318,10 +320,15 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
         train_step = _train_step(spec, shapes.graphdef, optimizer, mesh, samples)
         check_compiled_plan(spec, shapes, optimizer, mesh, train_step, local, rollout_devices)
         policy = load_policy(spec)
-    state = init_train_state(shard_state(policy.params, mesh), optimizer, seed=spec.seed)
+    lora = spec.model.lora is not None
+    state = init_train_state(shard_state(policy.params, mesh), optimizer, seed=spec.seed, lora=lora)
     state = jax.device_put(state, train_state_shardings(state, optimizer, mesh))
-    # A copy: the train step donates the state's buffers.
-    reference_params = jax.tree.map(jnp.copy, state.params) if samples and spec.algo.kl_coef > 0 else None
+    reference_params = None
+    if samples and spec.algo.kl_coef > 0:
+        # With LoRA the reference is the base model: the frozen weights themselves (never donated) with
+        # the adapters switched off. Otherwise a copy, since the train step donates the state's buffers.
+        reference_params = (model_params(adapters_off(state.params), state.frozen) if lora
+                            else jax.tree.map(jnp.copy, state.params))
     checkpoints = Checkpointer(spec.checkpoint.dir or checkpoint_dir, every=spec.checkpoint.every,
                                keep=spec.checkpoint.keep)
     start_step = 0
@@ -361,8 +368,13 @@ def check_compiled_plan(spec: RunSpec, shapes: Policy, optimizer, mesh: jax.shar
     programs compiled here are the ones the run uses."""
     samples = spec_mode(spec).samples
     params = _abstract(shapes.params, state_shardings(shapes.params, mesh))
-    state = jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=spec.seed), params)
-    state = _abstract(state, train_state_shardings(state.replace(params=params), optimizer, mesh))
+    lora = spec.model.lora is not None
+    state = jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer, seed=spec.seed, lora=lora), params)
+    sharded = state.replace(params=params)
+    if lora:
+        frozen, adapters = split_adapters(params)
+        sharded = state.replace(params=adapters, frozen=frozen)
+    state = _abstract(state, train_state_shardings(sharded, optimizer, mesh))
     rows = spec.rollout.prompts_per_step * (spec.rollout.group_size if samples else 1)
     prompt_len, new_len = spec.rollout.max_prompt_tokens, spec.rollout.max_new_tokens
     layout = {"tokens": ((rows, prompt_len + new_len), jnp.int32), "prompt_mask": ((rows, prompt_len), jnp.bool_),
@@ -411,7 +423,9 @@ def train_state_shardings(state: TrainState, optimizer, mesh: jax.sharding.Mesh)
     param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
     opt_shardings = optax.tree_map_params(optimizer.tx, lambda _, sharding: sharding, state.opt_state,
                                           param_shardings, transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
+    frozen = None if state.frozen is None else jax.tree.map(lambda x: x.sharding, state.frozen)
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated,
+                      frozen=frozen)
 
 
 def train_temperature(spec: RunSpec) -> float:

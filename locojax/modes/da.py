@@ -95,6 +95,13 @@ class RolloutHost:
         self.rows = prompts * self.spec.rollout.group_size
         self.runner = RolloutRunner(self.spec, self.policy, prompts, jax.local_devices())
         self.params = jax.device_put(self.policy.params, self.runner.replicated)
+        # With LoRA only the adapters are trained, so only they are pushed here: the frozen base stays as
+        # loaded and each push replaces `self.trained` (the adapters) beside it.
+        self.frozen, self.trained = None, self.params
+        if self.spec.model.lora is not None:
+            from locojax.model.transformer import split_adapters
+
+            self.frozen, self.trained = split_adapters(self.params)
         self.version = 0  # how many updates the loaded weights have seen
         self.pool = reward_pool()
 
@@ -102,8 +109,14 @@ class RolloutHost:
         import jax
 
         start = time.perf_counter()
-        treedef = jax.tree.structure(self.params)
-        self.params = jax.block_until_ready(jax.device_put(jax.tree.unflatten(treedef, flat), self.runner.replicated))
+        from locojax.train import model_params
+
+        treedef = jax.tree.structure(self.trained)
+        if treedef.num_leaves != len(flat):
+            raise DAError(f"rollout host {self.index}: {len(flat)} arrays pushed, its trained params have "
+                          f"{treedef.num_leaves}")
+        self.trained = jax.block_until_ready(jax.device_put(jax.tree.unflatten(treedef, flat), self.runner.replicated))
+        self.params = model_params(self.trained, self.frozen)
         self.version = version
         return time.perf_counter() - start
 
@@ -130,7 +143,7 @@ class RolloutHost:
         metrics = {**piece.metrics(self.spec.rollout.group_size, rollout_s, self.policy.tokenizer.eos_id),
                    **timer.metrics()}
         return {"rows": piece.batch(), "metrics": metrics, "version": self.version,
-                "checksum": float(params_checksum(self.params)) if checksum else None}
+                "checksum": float(params_checksum(self.trained)) if checksum else None}
 
 
 class TrainHost:
@@ -167,7 +180,8 @@ class TrainHost:
         return self.trainer.start_step
 
     def weights(self) -> list[np.ndarray]:
-        """The current params as host arrays, in tree order (what rollout hosts load)."""
+        """The trained params (with LoRA: the adapters alone) as host arrays, in tree order (what rollout
+        hosts load)."""
         import jax
 
         from locojax.model.hf import row_major
@@ -279,6 +293,7 @@ def _wait_each(ray, refs: list, names: list[str], phase: str):
 # versions) or takes from train host 0 (the params' checksum, which the rollout checksum is compared
 # with exactly): host 0's row carries them, no other host's row does, so the aggregate is that value.
 DRIVER_KEYS = frozenset({m.TIME_STEP, m.TIME_DEVICE, m.TIME_HOST, m.TIME_NETWORK, m.TIME_WEIGHT_SYNC,
+                         m.DA_WEIGHT_SYNC_BYTES,
                          m.TIME_CHECKPOINT, m.DA_TRAIN_IDLE, m.DA_ROLLOUT_IDLE, STALENESS_KEY, DA_ROLLOUT_CHECKSUM,
                          DA_ROLLOUT_VERSION, CHECKSUM_KEY})
 
@@ -375,7 +390,9 @@ class DASession(ModeSession):
 
     def push_weights(self) -> float:
         ray, start = self.ray, time.perf_counter()
-        weights = ray.put(_get(ray, self.train[0].weights.remote(), self.train_names[:1], "weight publish"))
+        published = _get(ray, self.train[0].weights.remote(), self.train_names[:1], "weight publish")
+        self.sync_bytes = sum(int(w.nbytes) for w in published)
+        weights = ray.put(published)
         version = _get(ray, self.train[0].version.remote(), self.train_names[:1], "weight publish")
         _wait_each(ray, [r.load_weights.remote(weights, version) for r in self.rollout], self.rollout_names,
                    "weight load")
@@ -412,6 +429,8 @@ class DASession(ModeSession):
         record = m.aggregate_hosts([p["metrics"] for p in pieces])
         record.update(train_metrics)
         record[m.TIME_WEIGHT_SYNC] = sync_s
+        if sync_s:
+            record[m.DA_WEIGHT_SYNC_BYTES] = float(self.sync_bytes)
         record[m.TIME_CHECKPOINT], self.checkpoint_s = self.checkpoint_s, 0.0
         record[m.DA_TRAIN_IDLE] = train_idle
         record[m.DA_ROLLOUT_IDLE] = rollout_idle

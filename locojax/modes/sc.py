@@ -351,7 +351,7 @@ class SCWorker:
         from locojax.rollout import rollout_key
 
         start = time.perf_counter()
-        local_params = to_local(self.trainer.state.params, self.runner.replicated)
+        local_params = to_local(self.trainer.state.model_params, self.runner.replicated)
         tokens, mask, result = self.runner.sample(local_params, examples, rollout_key(self.spec.seed, step),
                                                   self.rank * self.rows_per_host)
         result = jax.device_get(jax.block_until_ready(result))

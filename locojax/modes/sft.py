@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from locojax import metrics as m
-from locojax.contract import EXPORT_DIR, EngineStatus, HostStatus
+from locojax.contract import ADAPTER_DIR, EXPORT_DIR, EngineStatus, HostStatus
 from locojax.modes.common import TrainerSession, prepare_trainer
 from locojax.rollout import encode_prompts
 from locojax.runner import StepOutput, checkpoint_dir, output_dir, run
@@ -98,14 +98,28 @@ class SFTSession(TrainerSession):
 
 
 def export_model(spec: RunSpec, trainer) -> None:
-    """Write `<output_dir>/model` aside and rename it, so `model/` is either absent or complete."""
-    from locojax.model.hf import save_hf_checkpoint
+    """`export_policy` of the trained model into the run's output directory."""
+    export_policy(nnx.merge(trainer.policy.graphdef, trainer.state.model_params), output_dir(spec))
 
-    final, partial = export_dir(spec), export_dir(spec).with_name(EXPORT_DIR + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    save_hf_checkpoint(nnx.merge(trainer.policy.graphdef, trainer.state.params), partial)
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
+
+def export_policy(model, out: Path) -> list[Path]:
+    """Write `<out>/model` (a Hugging Face directory; with LoRA the adapters merged into the weights) and,
+    for a LoRA model, `<out>/adapter` (the adapters alone, in PEFT's format). Each is written aside and
+    renamed, so it is either absent or complete. Returns the directories written."""
+    from locojax.model.hf import save_hf_checkpoint, save_peft_adapter
+
+    writers = [(EXPORT_DIR, save_hf_checkpoint)]
+    if model.config.lora is not None:
+        writers.append((ADAPTER_DIR, save_peft_adapter))
+    written = []
+    for name, write in writers:
+        final, partial = out / name, out / (name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        write(model, partial)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        written.append(final)
+    return written
 
 
 def run_sft(spec: RunSpec, **options):

@@ -35,7 +35,7 @@ import numpy as np
 
 from locojax import contract as c
 from locojax.contract import METRICS_FILE, SPEC_FILE, EngineEnvironment, read_environment
-from locojax.model.config import PRESETS, ModelConfig
+from locojax.model.config import PRESETS, LoRAConfig, ModelConfig
 from locojax.placement.cost_model import (
     HOST_CONSTANTS,
     MODE_COSTS,
@@ -46,6 +46,7 @@ from locojax.placement.cost_model import (
     constant_values,
     estimate_step,
 )
+from locojax.placement.memory import spec_lora_config
 from locojax.placement.hardware import HardwareProfile
 from locojax.placement.workloads import WORKLOADS, WorkloadProfile
 from locojax.spec import RunSpec, load_spec, parse_spec
@@ -263,7 +264,11 @@ def model_config_from_json(fields: Mapping[str, Any], where: str = "model") -> M
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
     try:
-        return ModelConfig(**dict(fields))
+        fields = dict(fields)
+        if isinstance(fields.get("lora"), Mapping):  # recorded as an object (dataclasses.asdict)
+            lora = dict(fields["lora"])
+            fields["lora"] = LoRAConfig(**{**lora, "targets": tuple(lora.get("targets", ()))})
+        return ModelConfig(**fields)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
 
@@ -277,7 +282,7 @@ def run_model_config(spec: RunSpec, environment: EngineEnvironment | None, where
     if spec.model.checkpoint:
         raise ValueError(f"{where}: the spec starts from model.checkpoint {spec.model.checkpoint!r} and the run "
                          "recorded no environment.json, so the model's dimensions are unknown")
-    return PRESETS[spec.model.preset]
+    return PRESETS[spec.model.preset].replace(lora=spec_lora_config(spec))
 
 
 def observation_from(spec: RunSpec, model: ModelConfig, measured: StepMeasurement, label: str = "") -> Observation:
@@ -295,7 +300,7 @@ def observation_for_run(run: MeasuredRun, skip_steps: int = DEFAULT_SKIP_STEPS, 
     if require_model_dims or run.environment is not None:
         model = run_model_config(spec, run.environment, run.source)
     else:
-        model = PRESETS[spec.model.preset]
+        model = PRESETS[spec.model.preset].replace(lora=spec_lora_config(spec))
     return observation_from(spec, model, measured, label=run.source)
 
 

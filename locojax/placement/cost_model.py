@@ -56,8 +56,9 @@ import dataclasses
 import math
 from typing import Callable, Literal, Mapping
 
-from locojax.model.config import ModelConfig, param_count
+from locojax.model.config import ModelConfig, lora_param_count, param_count
 from locojax.placement.hardware import HardwareProfile
+from locojax.placement.memory import ADAPTER_BYTES
 from locojax.placement.workloads import WorkloadProfile
 from locojax.registry import Registry
 
@@ -204,6 +205,9 @@ class ModelSize:
     head_params: int = 0
     lookup_params: int = 0
     vocab_size: int = 0  # what sampling reads per sequence per decode step (0: unknown, no such cost)
+    # With LoRA, the adapters' parameters: all that gets gradients and all DA pushes to its rollout hosts
+    # (float32, `ADAPTER_BYTES`); 0: every parameter is trained.
+    adapter_params: int = 0
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "ModelSize":
@@ -211,7 +215,14 @@ class ModelSize:
         return cls(name=config.name, params=param_count(config), n_layers=config.n_layers, d_model=config.d_model,
                    attention_width=config.n_heads * config.head_dim,
                    kv_values_per_token=config.kv_bytes_per_token(bytes_per_value=1),
-                   head_params=head, lookup_params=0 if config.tie_embeddings else head, vocab_size=config.vocab_size)
+                   head_params=head, lookup_params=0 if config.tie_embeddings else head, vocab_size=config.vocab_size,
+                   adapter_params=lora_param_count(config))
+
+    def trained_bytes(self, bytes_per_value: float) -> float:
+        """Bytes of what training updates: the gradient all-reduce's and DA's weight sync's payload."""
+        if self.adapter_params:
+            return self.adapter_params * ADAPTER_BYTES
+        return self.params * bytes_per_value
 
     @property
     def body_params(self) -> int:
@@ -481,7 +492,7 @@ def weight_sync_terms(model: ModelSize, hardware: HardwareProfile, train_chips: 
     hosts forward chunks to each other, so no NIC carries it more than about once); each rollout chip
     takes 1/chips_per_host of it over PCIe and the host's chips all-gather the rest over ICI.
     """
-    weight_bytes = model.params * hardware.bytes_per_value
+    weight_bytes = model.trained_bytes(hardware.bytes_per_value)  # with LoRA: the adapters alone
     links = {
         "pcie_out": Terms(network={"pcie_s_per_byte": weight_bytes / train_chips}),
         "dcn": Terms(network={"dcn_s_per_byte": weight_bytes}),
@@ -546,7 +557,7 @@ def _estimate_colocated(model: ModelSize, hardware: HardwareProfile, workload: W
         "rollout": rollout,
         "reward": reward,
         "train": train_terms(model, hardware, workload, mode, chips, hosts, busy_chips=chips, busy_hosts=hosts),
-        "allreduce": all_reduce_terms(hardware, hardware.bytes_per_value * model.params, chips,
+        "allreduce": all_reduce_terms(hardware, model.trained_bytes(hardware.bytes_per_value), chips,
                                       placement.chips_per_host),
     }
     if single_controller:
@@ -571,7 +582,7 @@ def _estimate_da(model: ModelSize, hardware: HardwareProfile, workload: Workload
     reward = reward_terms(workload, workload.samples / rollout_hosts * cpu_sharing(hardware, placement.hosts))
     train = train_terms(model, hardware, workload, "da", train_chips, train_hosts, busy_chips=placement.chips,
                         busy_hosts=placement.hosts)
-    allreduce = all_reduce_terms(hardware, hardware.bytes_per_value * model.params, train_chips, cph)
+    allreduce = all_reduce_terms(hardware, model.trained_bytes(hardware.bytes_per_value), train_chips, cph)
     # The finished batch moves from the rollout hosts to the train hosts (each receives its share).
     handoff_bytes = workload.samples * workload.seq_len * ROLLOUT_BYTES_PER_TOKEN / train_hosts
     handoff = Terms(network={"dcn_s_per_byte": handoff_bytes, "dcn_latency_s": 1})

@@ -7,7 +7,9 @@ control plane can call it. The device capacity of the local machine (`device_cap
 function here that asks JAX.
 
 Per device, with P parameters on a per-host mesh data x fsdp x tensor (the parameters sharded over
-fsdp x tensor, `locojax.model.sharding.LOGICAL_RULES`):
+fsdp x tensor, `locojax.model.sharding.LOGICAL_RULES`). With LoRA (`ModelConfig.lora`) the weights are
+frozen and counted once; gradients, AdamW's moments and the KL reference (the base with the adapters
+zeroed) are adapter-sized, and the adapters (float32, replicated) are a term of their own:
   * persistent: params, AdamW's two moments (the params' dtype), the frozen reference (kl_coef > 0;
     kept replicated, as rollout reads it host-locally), and the replicated copy rollout decodes from
     when training shards the params (fsdp x tensor > 1);
@@ -25,7 +27,7 @@ import dataclasses
 import math
 from typing import Literal, Sequence
 
-from locojax.model.config import ModelConfig, param_count
+from locojax.model.config import LoRAConfig, ModelConfig, lora_param_count, param_count
 
 RematPolicy = Literal["none", "full"]
 REMAT_POLICIES: tuple[RematPolicy, ...] = ("none", "full")
@@ -72,6 +74,13 @@ def num_micro_batches(batch_size: int, micro_batch_size: int | None, seq_len: in
 # per-layer buffers), per embedding and per layer parameter; measured, see `plan_memory`.
 EMBEDDING_STEP_BUFFERS = 1.5
 LAYER_STEP_BUFFERS = 4.25
+# With LoRA no weight gets a gradient or an update: the step's buffers are the adapters' (as above, per
+# adapter parameter) and what the backward through the frozen layers holds, ~1.5 x their weights
+# (compiled memory_analysis of the LoRA train step on CPU, rank 8 on all seven projections, 32 rows x
+# 96 slots: small 4 and 8 layers and Qwen3-0.6B dims with 2 layers measured 0.96, 0.90 and 1.02 of the
+# plan's train terms, where the full fine-tuning plan measured 0.95, 0.90 and 1.30 of its own).
+FROZEN_LAYER_STEP_BUFFERS = 1.5
+ADAPTER_BYTES = 4  # adapters are float32 whatever the model's dtype (locojax.model.transformer)
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -161,11 +170,18 @@ def plan_memory(config: ModelConfig, *, rows_per_host: int, prompt_len: int, new
     dtype = dtype or config.param_dtype
     value_bytes = _BYTES[dtype]
     params = param_count(config)
+    adapters = lora_param_count(config)
     shards = mesh.param_shards
     param_bytes = params * value_bytes / shards
-    persistent = {"params": param_bytes, "optimizer": 2 * param_bytes}
-    if kl_reference:
-        persistent["reference"] = params * value_bytes
+    if adapters:
+        adapter_bytes = adapters * ADAPTER_BYTES
+        persistent = {"params": param_bytes, "adapters": adapter_bytes, "optimizer": 2 * adapter_bytes}
+        if kl_reference:
+            persistent["reference"] = adapter_bytes  # zeroed adapters beside the same frozen weights
+    else:
+        persistent = {"params": param_bytes, "optimizer": 2 * param_bytes}
+        if kl_reference:
+            persistent["reference"] = params * value_bytes
     if shards > 1:
         persistent["rollout_params"] = params * value_bytes
 
@@ -174,7 +190,11 @@ def plan_memory(config: ModelConfig, *, rows_per_host: int, prompt_len: int, new
     # dims on CPU, 2 and 8 layers: 1.39 and 2.89 GiB): ~1.5 x the embedding, ~4.25 x the layers.
     grad_value_bytes = max(value_bytes, 4 if micro_batches > 1 else value_bytes)
     embedding = config.vocab_size * config.d_model * (1 if config.tie_embeddings else 2)
-    grad_bytes = (EMBEDDING_STEP_BUFFERS * embedding + LAYER_STEP_BUFFERS * (params - embedding)) * grad_value_bytes / shards
+    if adapters:
+        grad_bytes = (FROZEN_LAYER_STEP_BUFFERS * (params - embedding) * value_bytes / shards
+                      + LAYER_STEP_BUFFERS * adapters * ADAPTER_BYTES)
+    else:
+        grad_bytes = (EMBEDDING_STEP_BUFFERS * embedding + LAYER_STEP_BUFFERS * (params - embedding)) * grad_value_bytes / shards
     batch_devices = mesh.data * mesh.fsdp
     rows = math.ceil(rows_per_host / batch_devices / micro_batches)  # sequences per device per micro-batch
     seq = prompt_len + new_len
@@ -299,7 +319,18 @@ def _mem_available_bytes() -> float:
 
 
 def spec_model_config(spec) -> ModelConfig:
-    """The ModelConfig a RunSpec will build, read without building it (a preset, or a HF config.json)."""
+    """The ModelConfig a RunSpec will build, read without building it (a preset, or a HF config.json),
+    with the spec's LoRA adapters."""
+    return _spec_base_config(spec).replace(lora=spec_lora_config(spec))
+
+
+def spec_lora_config(spec) -> LoRAConfig | None:
+    """A RunSpec's model.lora as the model's LoRAConfig (None without adapters)."""
+    lora = spec.model.lora
+    return None if lora is None else LoRAConfig(lora.rank, float(lora.alpha), tuple(lora.targets))
+
+
+def _spec_base_config(spec) -> ModelConfig:
     if spec.model.checkpoint:
         import json
         from pathlib import Path
