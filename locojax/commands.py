@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from locojax.spec import EvalSpec, RunSpec, SpecError, load_spec, parse_spec
 
+from locojax.compilation_cache import cache_from_every_process
 from locojax.contract import CHECKPOINTS_DIR, EXIT_CANCELLED, EXIT_FAILED, EXIT_SPEC_ERROR, EngineStatus
 from locojax.modes import spec_mode
 
@@ -100,6 +101,7 @@ def configure_jax(devices_per_host: int, compilation_cache: Path | None = None, 
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
+    cache_from_every_process()  # hosts other than the first reuse their programs too
 
 
 def _with(spec: RunSpec, **overrides) -> RunSpec:

@@ -34,6 +34,11 @@ os.environ["TMPDIR"] = str(SESSION_TMPDIR)
 # PYTEST_XDIST_WORKER before this file is imported), so every process of one run compiles a program once.
 if "PYTEST_XDIST_WORKER" not in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(SESSION_TMPDIR / "compilation-cache")
+# Every program, however quickly it compiled (JAX's default caches only those over 1 s): the engine's
+# hosts already do (`configure_jax`), and so now do this process and the processes that take JAX's
+# settings from the environment alone (Ray's actors, the probe's workers), where a test builds again
+# a program an earlier test compiled.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
 def session_processes(fragment: str) -> list[int]:

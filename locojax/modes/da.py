@@ -51,7 +51,10 @@ def _pin_and_configure(cores: Sequence[int] | None, devices: int) -> None:
         os.sched_setaffinity(0, list(cores))
     import jax
 
+    from locojax.compilation_cache import cache_from_every_process
+
     jax.config.update("jax_num_cpu_devices", devices)
+    cache_from_every_process()  # a train actor of index 1 or more reuses its programs too
 
 
 def _cpu_collectives_on_this_node() -> None:

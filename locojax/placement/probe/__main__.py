@@ -29,13 +29,14 @@ def kernel_worker_command(
     devices: Annotated[int, typer.Option(help="CPU devices of this process")] = 1,
     cache_dir: Annotated[Optional[str], typer.Option(help="persistent JAX compilation cache shared by the workers")] = None,
     core: Annotated[Optional[int], typer.Option(help="pin this process to one core (before JAX starts)")] = None,
+    first: Annotated[int, typer.Option(help="index of the kernel this process compiles first")] = 0,
 ) -> None:
     """A process holding compiled engine kernels, timed on request over stdin/stdout."""
     if core is not None:
         os.sched_setaffinity(0, [core])
     from locojax.placement.probe.kernels import kernel_worker
 
-    kernel_worker(devices, json.loads(kernels), cache_dir)
+    kernel_worker(devices, json.loads(kernels), cache_dir, first)
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def kernel_list(presets: tuple[str, ...] = PROBE_PRESETS, shapes_per_kind: int |
             for shape in KERNEL_SHAPES[preset][kind][:shapes_per_kind]]
 
 
-def _build_kernels(kernels: list[dict[str, Any]], devices: int) -> list[Callable[[], Any]]:
-    """One zero-argument callable per kernel that runs it once and blocks until it is done."""
+def _build_kernels(kernels: list[dict[str, Any]], devices: int, first: int = 0) -> list[Callable[[], Any]]:
+    """One zero-argument callable per kernel that runs it once and blocks until it is done, in the order
+    of `kernels`; built (and compiled) starting at kernel `first`, wrapping around."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
@@ -75,8 +76,9 @@ def _build_kernels(kernels: list[dict[str, Any]], devices: int) -> list[Callable
     from locojax.train import init_train_state, make_optimizer, make_train_step
 
     local = jax.local_devices()[:devices]
-    runs = []
-    for kernel in kernels:
+    runs: list[Callable[[], Any] | None] = [None] * len(kernels)
+    for index in [*range(first, len(kernels)), *range(first)]:
+        kernel = kernels[index]
         batch, prompt_len, new_tokens = kernel["shape"]
         spec = parse_spec({"name": "probe", "model": {"preset": kernel["preset"]}, "task": {"name": "arith"},
                            "rollout": {"prompts_per_step": 1, "group_size": 2, "max_prompt_tokens": prompt_len,
@@ -114,12 +116,13 @@ def _build_kernels(kernels: list[dict[str, Any]], devices: int) -> list[Callable
                 holder["state"], _ = step(holder["state"], data)
                 jax.block_until_ready(holder["state"])
         run()  # compile
-        runs.append(run)
+        runs[index] = run
     return runs
 
 
-def kernel_worker(devices: int, kernels: list[dict[str, Any]], cache_dir: str | None = None) -> None:
-    """Serve kernel timings on stdin/stdout: `{"run": i}` -> `{"t": seconds, "contention": x}`; EOF ends."""
+def kernel_worker(devices: int, kernels: list[dict[str, Any]], cache_dir: str | None = None, first: int = 0) -> None:
+    """Serve kernel timings on stdin/stdout: `{"run": i}` -> `{"t": seconds, "contention": x}`; EOF ends.
+    `first`: the kernel this worker compiles first (see KernelProbe)."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -128,7 +131,7 @@ def kernel_worker(devices: int, kernels: list[dict[str, Any]], cache_dir: str | 
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    runs = _build_kernels(kernels, devices)
+    runs = _build_kernels(kernels, devices, first)
     print(json.dumps({"ready": len(runs)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
@@ -165,11 +168,15 @@ class KernelProbe:
                    json.dumps(self.kernels), "--cache-dir", cache_dir or self._cache.name]
         self.workers: list[subprocess.Popen] = []
         try:
-            # One after another: the first compiles, the others load its programs from the cache.
-            for core in self.cores:
-                worker = subprocess.Popen([*command, "--devices", "1", "--core", str(core)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                self.workers.append(worker)
+            # All at once, each compiling from its own point of the list onwards: a kernel that another
+            # worker has compiled by the time this one gets to it comes from the shared cache, so the
+            # cores compile different kernels side by side (compiling is most of a probe's time).
+            for position, core in enumerate(self.cores):
+                first = position * len(self.kernels) // len(self.cores)
+                self.workers.append(subprocess.Popen(
+                    [*command, "--devices", "1", "--core", str(core), "--first", str(first)], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+            for worker in self.workers:
                 self._read(worker)
         except BaseException:
             self.close()
