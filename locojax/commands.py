@@ -382,7 +382,8 @@ def eval_command(
     try:
         eval_spec = EvalSpec.model_validate({**(spec.eval or EvalSpec()).model_dump(), **overrides})
     except ValidationError as exc:
-        errors = [(".".join(["eval", *map(str, err["loc"])]), err["msg"]) for err in exc.errors()]
+        errors = [(".".join(["eval", *map(str, err["loc"])]), err["msg"].removeprefix("Value error, "))
+                  for err in exc.errors()]
         typer.secho(str(SpecError(errors, "command-line overrides")), fg="red", err=True)
         raise typer.Exit(EXIT_SPEC_ERROR) from None
     _allow_rewards(spec, reward_modules, str(spec_path), eval_spec)

@@ -51,8 +51,10 @@ def _field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
         location, *path = error.get("loc", ()) or ("body",)
         if error.get("type") == "json_invalid":
             path = []  # the position inside the document, not a field
+        # Pydantic prefixes a validator's own message with "Value error, "; the CLI shows it without.
         details.append({"field": ".".join(str(part) for part in path), "location": str(location),
-                        "message": error.get("msg", "invalid"), "type": error.get("type", "")})
+                        "message": error.get("msg", "invalid").removeprefix("Value error, "),
+                        "type": error.get("type", "")})
     return details
 
 

@@ -56,8 +56,8 @@ def recommend(session: Session, body: PlacementRecommendRequest, *, created_by: 
     try:
         recommendation = recommend_fn(request_cls(**fields), profile)
     except ValidationError as exc:  # the library's own request model refused a combination
-        details = [{"field": ".".join(str(part) for part in error["loc"]), "message": error["msg"]}
-                   for error in exc.errors()]
+        details = [{"field": ".".join(str(part) for part in error["loc"]),
+                    "message": error["msg"].removeprefix("Value error, ")} for error in exc.errors()]
         first = details[0] if details else {"field": "", "message": str(exc)}
         raise InvalidInputError(f"{first['field'] or 'request'}: {first['message']}", code="PLACEMENT_INVALID",
                                 details=details) from None
