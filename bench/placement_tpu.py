@@ -153,7 +153,8 @@ def predict(args) -> dict[str, Any]:
         print(f"{name:<40} step {times['step_s']:.3f} s = rollout {times['rollout_s']:.3f} + reward "
               f"{times['reward_s']:.3f} + train {times['train_s']:.3f} (uncalibrated {uncalibrated['step_s']:.3f})")
     return {
-        "hardware": args.hardware, "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(),
+        "hardware": args.hardware, "platform": "cpu" if base.shared_machine else "tpu",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(),
         "target_rel_error": TARGET_REL_ERROR, "goal_rel_error": GOAL_REL_ERROR, "skip_steps": args.skip_steps,
         "calibration": {**result.to_json(), "source_runs": sources},
         "predictions": predictions,
