@@ -698,10 +698,10 @@ def peer_memory_estimate(config, args, kl_coef: float, lora_rank: int = 0) -> di
     logits_gib = 3 * rows * slots * config.vocab_size * 4 / GiB
     logits_terms = f"3 x {rows} rows x {slots} slots x {config.vocab_size} vocab x 4 B (activations not counted)"
     if lora_rank:
-        width_q, width_kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-        per_layer = lora_rank * ((config.d_model + width_q) * 2 + (config.d_model + width_kv) * 2
-                                 + (config.d_model + config.d_ff) * 3)
-        adapters = per_layer * config.n_layers
+        from locojax.model.config import LORA_MODULES, LoRAConfig, lora_param_count
+
+        all_seven = LoRAConfig(rank=lora_rank, alpha=1.0, targets=tuple(LORA_MODULES))
+        adapters = lora_param_count(config.replace(lora=all_seven))
         weight_bytes = 2 if getattr(args, "dtype", "float32") == "bfloat16" else 4
         state_gib = (weight_bytes * params + 4 * 4 * adapters) / GiB
         return {"params": params, "adapter_params": adapters, "state_gib": state_gib, "logits_gib": logits_gib,

@@ -167,12 +167,11 @@ def lora_train_flops_per_token(config, rank: int, targets: list[str], tokens_per
     the frozen projections and head run forward and pass the input gradient back (4 x their parameters),
     the adapters also get weight gradients (6 x theirs), attention as in bench/scale.py's count
     (6 x layers x heads x head_dim x the row's length, per token, causal)."""
-    q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    shapes = {"q": (config.d_model, q_width), "k": (config.d_model, kv_width), "v": (config.d_model, kv_width),
-              "o": (q_width, config.d_model), "gate": (config.d_model, config.d_ff),
-              "up": (config.d_model, config.d_ff), "down": (config.d_ff, config.d_model)}
-    frozen = config.n_layers * sum(a * b for a, b in shapes.values()) + config.vocab_size * config.d_model
-    adapters = config.n_layers * sum(rank * (a + b) for name, (a, b) in shapes.items() if name in targets)
+    from locojax.model.config import LoRAConfig, lora_param_count, lora_projection_dims
+
+    dims = lora_projection_dims(config)
+    frozen = config.n_layers * sum(a * b for a, b in dims.values()) + config.vocab_size * config.d_model
+    adapters = lora_param_count(config.replace(lora=LoRAConfig(rank=rank, alpha=1.0, targets=tuple(targets))))
     attention = 6 * config.n_layers * config.n_heads * config.head_dim * tokens_per_row
     return {"flops_per_token": 4 * frozen + 6 * adapters + attention, "frozen_matmul_params": frozen,
             "adapter_params": adapters,
@@ -182,9 +181,11 @@ def lora_train_flops_per_token(config, rank: int, targets: list[str], tokens_per
 
 
 def merge_lora(parts: list[dict]) -> dict | None:
-    """bench/results/lora_tpu.json (issue 40) from the `lora` parts of bench/grpo_step.py, one model each:
-    its rows, step, rollout tokens/s, train phase against the measured matmul peak (the limits part's)
-    on LoRA's model FLOPs, peak vs plan, and where the peer ran, the ratio."""
+    """bench/results/lora_tpu.json (issue 40) from the `lora` parts of bench/grpo_step.py, one model each.
+    The model's figures are ours at the largest rows our side fit (up to 64): rows, step, rollout tokens/s,
+    train phase against the measured matmul peak (the limits part's) on LoRA's model FLOPs, peak vs plan.
+    Against the peer: `ratio_vs_peer` at the rows both fit (the same work), and the throughput ratio with
+    each side at its own largest rows (trained tokens a second), since memory headroom is a result too."""
     import statistics
 
     from bench.scale import model_config
@@ -198,27 +199,40 @@ def merge_lora(parts: list[dict]) -> dict | None:
     for preset in dict.fromkeys(part["workload"]["preset"] for part in lora):
         merged = merge_size("lora", [part for part in lora if part["workload"]["preset"] == preset])
         work = merged["workload"]
-        rows = merged.get("rows")
-        ours = [run for run in merged["per_run"] if run.get("side") == "locojax" and run.get("ok")
-                and run.get("rows") == rows]
+        ok = [run for run in merged["per_run"] if run.get("side") == "locojax" and run.get("ok")]
+        rows = max((run["rows"] for run in ok), default=None)
+        ours = [run for run in ok if run["rows"] == rows]
+        periods = [p for run in ours for p in run.get("periods_s", [])]
+        phases = {name: statistics.median(v for run in ours for v in run.get("phases_s", {}).get(name, []))
+                  for name in ("time/rollout", "time/train") if any(run.get("phases_s", {}).get(name) for run in ours)}
         tokens = [t for run in ours for t in run.get("train_tokens", []) if t]
-        train_s = merged.get("time/train")
+        at_largest = max(ours, key=lambda run: run.get("peak_device_gib") or 0.0, default={})
         figures = {"steps_completed": max((run.get("steps_completed") or 0 for run in ours), default=0),
-                   "rows": rows, "step_s": merged.get("locojax_step_s"),
-                   "rollout_tokens_per_s": (rows * work["new_tokens"] / merged["time/rollout"]
-                                            if rows and merged.get("time/rollout") else None),
-                   "peak_device_vs_plan": merged.get("peak_device_vs_plan"),
-                   "peak_device_gib": merged.get("peak_device_gib"), "planned_gib": merged.get("planned_gib")}
-        if tokens and train_s and peak and rows:
+                   "rows": rows, "step_s": statistics.median(periods) if periods else None,
+                   "rollout_tokens_per_s": (rows * work["new_tokens"] / phases["time/rollout"]
+                                            if rows and phases.get("time/rollout") else None),
+                   "phases_s": phases, "peak_device_gib": at_largest.get("peak_device_gib"),
+                   "planned_gib": at_largest.get("planned_gib"),
+                   "peak_device_vs_plan": (at_largest["peak_device_gib"] / at_largest["planned_gib"]
+                                           if at_largest.get("peak_device_gib") and at_largest.get("planned_gib")
+                                           else None)}
+        if tokens and phases.get("time/train") and peak and rows:
             count = lora_train_flops_per_token(model_config(preset), work["lora"]["rank"], work["lora"]["targets"],
                                                statistics.median(tokens) / rows)
             figures["train_model_flops_per_step"] = count["flops_per_token"] * statistics.median(tokens)
-            figures["train_vs_matmul_peak"] = figures["train_model_flops_per_step"] / train_s / peak
+            figures["train_vs_matmul_peak"] = figures["train_model_flops_per_step"] / phases["time/train"] / peak
             figures["train_flops"] = count
         if merged.get("ratio_vs_peer") is not None:
-            figures.update(ratio_vs_peer=merged["ratio_vs_peer"], peer_step_s=merged.get("peer_step_s"),
-                           target=LORA_TARGET_RATIO,
+            peer_rows = merged["rows_search"]["peer"]["largest_rows"] if "rows_search" in merged else merged["rows"]
+            figures.update(ratio_vs_peer=merged["ratio_vs_peer"], ratio_rows=merged["rows"],
+                           peer_step_s=merged.get("peer_step_s"), ours_at_ratio_rows={
+                               "step_s": merged.get("locojax_step_s"),
+                               "peak_device_vs_plan": merged.get("peak_device_vs_plan")},
+                           peer_largest_rows=peer_rows, target=LORA_TARGET_RATIO,
                            meets_target=merged["ratio_vs_peer"] >= LORA_TARGET_RATIO["ratio_vs_peer"])
+            if figures["step_s"] and merged.get("peer_step_s") and peer_rows:
+                figures["throughput_ratio_at_largest_rows"] = (
+                    (rows / figures["step_s"]) / (peer_rows / merged["peer_step_s"]))
         models[preset] = {**figures, "detail": merged}
     used = lora + limits[-1:]
     record, mixed = parts_record(used)
@@ -227,8 +241,9 @@ def merge_lora(parts: list[dict]) -> dict | None:
             "commit": merged_commit(record), "parts": record, "mixed_commits": mixed, "models": models,
             "matmul_peak_flops": peak,
             "method": "bench/grpo_step.py --size lora per model (LoRA rank 16 on every linear layer, bfloat16, "
-                      "96 prompt + 256 new tokens, 64 rows or the largest that fit); train_vs_matmul_peak on "
-                      "LoRA's model FLOPs (lora_train_flops_per_token) over the limits part's measured peak"}
+                      "96 prompt + 256 new tokens, 64 rows or the largest that fit); each model's figures at our "
+                      "largest rows; ratio_vs_peer at the rows both fit; train_vs_matmul_peak on LoRA's model "
+                      "FLOPs (lora_train_flops_per_token) over the limits part's measured peak"}
 
 
 def merge_scale(parts: list[dict]) -> dict | None:

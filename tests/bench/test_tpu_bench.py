@@ -108,6 +108,34 @@ def test_merge_pools_size_c_rounds_at_the_rows_both_fit_and_marks_mixed_commits(
     assert merged["sizes"]["a"]["ratio_vs_peer"] == pytest.approx(0.06 / 0.05)
 
 
+def test_lora_merge_reports_our_largest_rows_and_compares_with_the_peer_at_the_rows_both_fit(tmp_path):
+    """lora_tpu.json: the model's figures are ours at the largest rows we fit (64), with that run's peak
+    vs plan; ratio_vs_peer is at the rows both fit (16), and the throughput ratio sets each side's largest
+    rows against the other's."""
+    from bench.tpu_merge import load_parts, merge_lora
+
+    search = {"rows_both_fit": 16, "locojax": {"largest_rows": 64, "attempts": []},
+              "peer": {"largest_rows": 16, "attempts": []}}
+    part = _grpo_part("lora-1.7b", "eee", "lora", [
+        {**_run("locojax", 64, [5.0, 5.2], peak=13.0), "round": None, "planned_gib": 12.5,
+         "train_tokens": [22000.0, 22000.0], "steps_completed": 5},
+        _run("tunix", 16, [2.4, 2.4]),
+        {**_run("locojax", 16, [2.2, 2.2], peak=9.0), "planned_gib": 7.5, "train_tokens": [5500.0, 5500.0]}],
+        search)
+    part["workload"] = {"size": "lora", "preset": "small", "new_tokens": 256,
+                        "lora": {"rank": 16, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}
+    (tmp_path / "part_lora-1.7b.json").write_text(json.dumps(part))
+    model = merge_lora(load_parts(tmp_path))["models"]["small"]
+
+    assert model["rows"] == 64 and model["step_s"] == pytest.approx(5.1) and model["steps_completed"] == 5
+    assert model["peak_device_vs_plan"] == pytest.approx(13.0 / 12.5)
+    assert model["rollout_tokens_per_s"] == pytest.approx(64 * 256 / 0.01)
+    assert model["ratio_rows"] == 16 and model["ratio_vs_peer"] == pytest.approx(2.4 / 2.2)
+    assert model["ours_at_ratio_rows"]["peak_device_vs_plan"] == pytest.approx(9.0 / 7.5)
+    assert model["throughput_ratio_at_largest_rows"] == pytest.approx((64 / 5.1) / (16 / 2.4))
+    assert model["meets_target"] is False
+
+
 def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path):
     from bench.tpu_merge import load_parts, merge_scale
 
