@@ -75,6 +75,13 @@ TIME_CHECKPOINT = _define("time/checkpoint", "s", "mean", "blocking part of a ch
 # Only on the first step a process runs: what came before its loop (devices opened, memory plan and the
 # programs it compiles, model built or restored). Startup cost = this + that step's time/step.
 TIME_SETUP = _define("time/setup", "s", "max", "first step only: the mode's setup before the run loop")
+# Where time/setup went, for the modes that train in the run loop's process (CO, SFT): compiling the
+# run's programs ahead of the first step (the compiled memory plan, on accelerators; 0 on CPU, where they
+# compile in step 0), and building the policy and its optimizer state on the mesh (or restoring them).
+TIME_SETUP_COMPILE = _define("time/setup_compile", "s", "max",
+                             "first step only: of time/setup, lowering and compiling the run's programs")
+TIME_SETUP_MODEL = _define("time/setup_model", "s", "max",
+                           "first step only: of time/setup, the policy, its train state on the mesh, a restore")
 # The paper's split; see `split_step_time` for the definition.
 TIME_DEVICE = _define("time/device", "s", "mean", "devices busy: device computations timed up to block_until_ready")
 TIME_NETWORK = _define("time/network", "s", "mean", "collectives and weight transfers timed on their own")

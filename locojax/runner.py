@@ -98,6 +98,8 @@ class ModeSession:
     start_step: int = 0  # where a resumed run continues
     # SFT: a cancel that arrives during the last step still lets the run finish (and export).
     last_step_ignores_cancel: bool = False
+    # Parts of time/setup the mode timed (contract's time/setup_*), reported beside it on the first step.
+    setup_phases: Mapping[str, float] = {}
 
     def step(self, step: int, timer: m.PhaseTimer, where: HostStatus) -> StepOutput:
         raise NotImplementedError
@@ -163,6 +165,7 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
                 record.update(evaluation)  # every host evaluates at the same steps: the names agree
                 if step == session.start_step:  # compilation happens in setup (the compiled memory plan)
                     record[m.TIME_SETUP] = setup_s
+                    record.update(session.setup_phases)
                 record[CANCEL_KEY] = float(cancel_requested(cancel_file))
                 with timer.network():
                     # Host 0 needs every host's record; the gather doubles as the agreement on

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -258,6 +259,8 @@ class Trainer:
     reference_params: nnx.State | None = None
     # The spec's eval block's held-out examples, none of whose prompts `task` ever yields.
     held_out: tuple[Example, ...] = ()
+    # Parts of the setup's wall time (contract's time/setup_compile, time/setup_model), for step 0's record.
+    setup_phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def global_batch(self, host_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> the global batch sharded over the mesh's data axis."""
@@ -291,6 +294,10 @@ class TrainerSession(ModeSession):
         self.trainer.checkpoints.wait_until_finished()
         return self.trainer.checkpoints.latest_step()
 
+    @property
+    def setup_phases(self) -> dict[str, float]:
+        return self.trainer.setup_phases
+
     def close(self) -> None:
         self.trainer.checkpoints.close()
 
@@ -311,14 +318,19 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
     local = [d for d in devices if d.process_index == jax.process_index()]
     mesh = make_mesh(devices, fsdp=spec.placement.fsdp, tensor=spec.placement.tensor)
     optimizer = make_optimizer(spec.optim, spec.steps, spec.algo.num_iterations if samples else 1)
+    compile_s = 0.0
     if not plans_by_compiling(local[0].platform):
         check_spec_fits(spec, local, jax.process_count(), samples=samples)
+        model_started = time.perf_counter()
         policy = load_policy(spec)
         train_step = _train_step(spec, policy.graphdef, optimizer, mesh, samples)
     else:
+        compile_started = time.perf_counter()
         shapes = abstract_policy(spec)
         train_step = _train_step(spec, shapes.graphdef, optimizer, mesh, samples)
         check_compiled_plan(spec, shapes, optimizer, mesh, train_step, local, rollout_devices)
+        model_started = time.perf_counter()
+        compile_s = model_started - compile_started
         policy = load_policy(spec)
     lora = spec.model.lora is not None
     state = init_train_state(shard_state(policy.params, mesh), optimizer, seed=spec.seed, lora=lora)
@@ -337,9 +349,11 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
         if restored is not None:
             state = restored[0]
             start_step = int(jax.device_get(state.step))
+    jax.block_until_ready(state)  # the model's time is its own, not the first step's
+    setup_phases = {m.TIME_SETUP_COMPILE: compile_s, m.TIME_SETUP_MODEL: time.perf_counter() - model_started}
     data = load_task_data(spec.task, spec.eval)
     return Trainer(policy, data.train, mesh, state, train_step, checkpoints, start_step, reference_params,
-                   data.held_out)
+                   data.held_out, setup_phases)
 
 
 def plans_by_compiling(platform: str) -> bool:

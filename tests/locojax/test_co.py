@@ -253,6 +253,7 @@ def test_steady_steps_trace_and_compile_nothing(tmp_path):
                 self.seen[step] = len(events)
                 if m.TIME_SETUP in metrics:
                     self.setup[step] = metrics[m.TIME_SETUP]
+                    self.setup_parts = {name: metrics.get(name) for name in (m.TIME_SETUP_COMPILE, m.TIME_SETUP_MODEL)}
 
         def close(self):
             pass
@@ -270,3 +271,7 @@ def test_steady_steps_trace_and_compile_nothing(tmp_path):
     # What came before the loop (the model built, programs compiled) is reported once, on step 0: a
     # first step's cost is time/setup + its time/step, whichever of the two the compilation lands in.
     assert list(marks.setup) == [0] and marks.setup[0] > 0
+    # Its parts: on the CPU the programs compile in step 0, not in setup; building the model is timed.
+    parts = marks.setup_parts
+    assert parts[m.TIME_SETUP_COMPILE] == 0.0
+    assert 0 < parts[m.TIME_SETUP_MODEL] <= marks.setup[0]
