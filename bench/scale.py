@@ -225,6 +225,8 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
             # built) plus step 0: where the engine compiles ahead of the loop, step 0 alone hides it.
             "first_step_s": float(first.get("time/setup", 0.0)) + float(first["time/step"]) if first else None,
             "setup_s": float(first["time/setup"]) if "time/setup" in first else None,
+            "setup_parts_s": {name: float(first[name]) for name in ("time/setup_compile", "time/setup_model")
+                              if name in first},
             "per_step_s": [float(by_step[s]["time/step"]) for s in sorted(by_step)],
             "completion_len_max": [by_step[s].get("completion/len_max") for s in sorted(by_step)]}
 
