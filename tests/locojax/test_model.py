@@ -256,6 +256,27 @@ def test_scan_layers_auto_scans_on_accelerators_only():
         config.replace(scan_layers="yes")
 
 
+def test_building_a_model_lets_each_layers_copy_go_once_its_weight_is_stacked():
+    """The decoder's layers are drawn one by one and stacked [L, ...]; each layer's own array is released
+    as its weight is stacked, so what stays alive is the stacked weights alone (a model build peaks at the
+    model plus one stacked weight, not twice the decoder), with the values the layers were drawn with."""
+    from locojax.model.transformer import DecoderLayer, _stack_layers
+
+    config = get_preset("tiny")
+    layers = [DecoderLayer(config, nnx.Rngs(params=i)) for i in range(config.n_layers)]
+    drawn = [jax.tree.map(np.asarray, nnx.state(layer)) for layer in layers]
+    stacked = _stack_layers(layers)
+
+    leftovers = [v for layer in layers for v in jax.tree.leaves(nnx.state(layer), is_leaf=lambda x: x is None)]
+    assert all(v is None for v in leftovers), "a layer still holds its own copy"
+    stacked_leaves = jax.tree.leaves(nnx.state(stacked))
+    for index, layer_values in enumerate(drawn):
+        before = jax.tree.leaves(layer_values)
+        assert len(before) == len(stacked_leaves)
+        for value, stacked_value in zip(before, stacked_leaves):
+            np.testing.assert_array_equal(value, np.asarray(stacked_value)[index])
+
+
 def test_remat_policies_are_the_ones_the_spec_and_the_memory_plan_know():
     """A policy added to the model must be planned for and accepted by the spec (and the other way round)."""
     from typing import get_args
