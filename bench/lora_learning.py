@@ -93,9 +93,12 @@ def choose_lr(candidates: Sequence[dict]) -> tuple[float, str]:
         raise ValueError("no candidate run succeeded; nothing to select")
     best = max(eligible, key=lambda c: (c["val_accuracy"], -c["lr"]))
     others = ", ".join(f"{c['lr']:g}: {c['val_accuracy']:.4f}" for c in eligible if c is not best)
+    tied = [c["lr"] for c in eligible if c is not best and c["val_accuracy"] == best["val_accuracy"]]
     skipped = [c["lr"] for c in candidates if c not in eligible]
     reason = (f"lr {best['lr']:g} has the highest validation accuracy ({best['val_accuracy']:.4f}; others "
-              f"{others or 'none'})" + (f"; not eligible (failed): {skipped}" if skipped else ""))
+              f"{others or 'none'})"
+              + (f"; tied with {', '.join(f'{lr:g}' for lr in tied)}: the lower rate wins" if tied else "")
+              + (f"; not eligible (failed): {skipped}" if skipped else ""))
     return best["lr"], reason
 
 

@@ -17,8 +17,9 @@ def _run(lr, val_accuracy, status="succeeded"):
 def test_the_highest_validation_accuracy_wins_and_a_tie_goes_to_the_lower_rate():
     lr, why = choose_lr([_run(3e-4, 0.30), _run(1e-3, 0.35), _run(2e-3, 0.31)])
     assert lr == 1e-3 and "0.3500" in why and "0.0003: 0.3000" in why
-    lr, _ = choose_lr([_run(2e-3, 0.35), _run(6e-4, 0.35), _run(1e-3, 0.20)])
-    assert lr == 6e-4
+    assert "tied" not in why
+    lr, why = choose_lr([_run(2e-3, 0.35), _run(6e-4, 0.35), _run(1e-3, 0.20)])
+    assert lr == 6e-4 and "tied with 0.002: the lower rate wins" in why
 
 
 def test_a_failed_run_is_never_chosen_and_no_success_is_an_error():
