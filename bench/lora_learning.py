@@ -148,9 +148,9 @@ class _Scorer:
 
     def trained_params(self, run_spec):
         """The final params of the run `run_spec` (its latest checkpoint) in this scorer's tree."""
-        from locojax.commands import _restore_trained_params
+        from locojax.commands import restore_trained_params
 
-        _restore_trained_params(run_spec, self.policy, Path(run_spec.output_dir))
+        restore_trained_params(run_spec, self.policy, Path(run_spec.output_dir))
         params, self.policy.params = self.policy.params, self.start_params
         return params
 

@@ -408,7 +408,7 @@ def eval_command(
     # An Orbax checkpoint holds params only: the spec's own starting model gives their tree and shapes.
     policy = load_policy(_with(spec, model={**spec.model.model_dump(), "checkpoint": str(checkpoint)}) if hf else spec)
     if not hf:
-        _restore_trained_params(spec, policy, checkpoint)
+        restore_trained_params(spec, policy, checkpoint)
     evaluator = Evaluator(spec, eval_spec, policy, data.held_out, eval_rewards(eval_spec, data.train), 0,
                           jax.local_devices())
     result = evaluator.timed(policy.params)
@@ -417,7 +417,7 @@ def eval_command(
                f"({checkpoint}; {result[m.EVAL_TIME]:.1f} s)")
 
 
-def _restore_trained_params(spec: RunSpec, policy, checkpoint: Path) -> None:
+def restore_trained_params(spec: RunSpec, policy, checkpoint: Path) -> None:
     """Set `policy`'s params to those of the Orbax checkpoint `checkpoint` (a run's directory or its
     checkpoints/; the latest step). With model.lora a checkpoint holds the adapters alone: they go beside
     the spec's own frozen base."""
@@ -455,7 +455,7 @@ def export_command(
     from locojax.policy import load_policy
 
     policy = load_policy(spec)
-    _restore_trained_params(spec, policy, checkpoint)
+    restore_trained_params(spec, policy, checkpoint)
     for written in export_policy(nnx.merge(policy.graphdef, policy.params), out):
         typer.echo(f"wrote {written}")
 

@@ -318,12 +318,12 @@ def test_co_lora_run_with_kl_resumes_exactly_and_checkpoints_adapters_alone(tmp_
     assert 3 * 4 * lora_param_count(get_preset("tiny").replace(lora=LORA)) <= on_disk < 3 * frozen_bytes
 
     # `locojax export`'s work: the run's checkpoint beside the spec's base, written merged and as PEFT.
-    from locojax.commands import _restore_trained_params
+    from locojax.commands import restore_trained_params
     from locojax.modes.sft import export_policy
     from locojax.policy import load_policy
 
     policy = load_policy(spec("straight", 2))
-    _restore_trained_params(spec("straight", 2), policy, tmp_path / "straight")
+    restore_trained_params(spec("straight", 2), policy, tmp_path / "straight")
     trained = nnx.merge(policy.graphdef, policy.params)
     written = export_policy(trained, tmp_path / "exported")
     assert [p.name for p in written] == ["model", "adapter"]
