@@ -60,6 +60,21 @@ def test_da_samples_batch_t_plus_1_with_exactly_theta_t(tmp_path):
     assert not (Path.home() / ".ray").exists() or not any((Path.home() / ".ray").glob("*token*"))
 
 
+# How long a failed DA driver's Ray processes (raylet, GCS) may outlive it.
+RAY_GONE_WITHIN_S = 10.0
+
+
+def _wait_until_gone(patterns: tuple[str, ...], timeout_s: float) -> list[int]:
+    """Poll until no process of this session matches any of `patterns`; the pids still there at the
+    deadline (empty once they are all gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [pid for pattern in patterns for pid in _processes(pattern)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
 def _start(args, tmp_path) -> subprocess.Popen:
     return subprocess.Popen(engine_command(*args), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -132,8 +147,9 @@ def test_da_rollout_host_failure_ends_the_run_naming_host_and_phase(tmp_path):
     logged = {r["step"] for r in m.read_jsonl(tmp_path / "da-fail" / "metrics.jsonl") if r["host"] == m.ALL_HOSTS}
     saved = [int(p.name) for p in (tmp_path / "da-fail" / "checkpoints").iterdir() if p.name.isdigit()]
     assert saved and max(saved) <= len(logged) == max(logged) + 1, (sorted(saved), sorted(logged))
-    time.sleep(1)
-    assert not _processes("raylet") and not _processes("gcs_server")
+    # The driver's ray.shutdown() stops its raylet and GCS, which may outlive the driver by a moment.
+    leftovers = _wait_until_gone(("raylet", "gcs_server"), RAY_GONE_WITHIN_S)
+    assert not leftovers, f"Ray processes {leftovers} still there {RAY_GONE_WITHIN_S} s after the driver exited"
 
 
 SAVES_AT_EACH_LOG = """
