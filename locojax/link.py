@@ -23,6 +23,10 @@ class LinkError(RuntimeError):
     """The other end went away, or did not answer in time."""
 
 
+class LinkLost(LinkError):
+    """The other end went away: its side of the connection closed (its process died or exited)."""
+
+
 def new_secret() -> str:
     return secrets.token_hex(SECRET_BYTES)
 
@@ -88,11 +92,11 @@ def receive(connection: Connection, timeout_s: float, what: str) -> Any:
             raise LinkError(f"no answer within {timeout_s:g} s ({what})")
         return connection.recv()
     except (EOFError, ConnectionError, OSError) as exc:
-        raise LinkError(f"connection lost ({what}): {exc.__class__.__name__}") from None
+        raise LinkLost(f"connection lost ({what}): {exc.__class__.__name__}") from None
 
 
 def send(connection: Connection, message: Any, what: str) -> None:
     try:
         connection.send(message)
     except (EOFError, ConnectionError, OSError) as exc:
-        raise LinkError(f"connection lost ({what}): {exc.__class__.__name__}") from None
+        raise LinkLost(f"connection lost ({what}): {exc.__class__.__name__}") from None

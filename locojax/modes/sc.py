@@ -42,6 +42,7 @@ from locojax.spec import RunSpec, dump_spec
 CONNECT_TIMEOUT_S = 300.0  # workers compile nothing before they connect, but may queue for cores
 SETUP_TIMEOUT_S = 900.0  # a worker's setup: policy, optimizer state, restore (0.6B restores take minutes)
 CALL_TIMEOUT_S = 600.0  # one rollout or train call longer than this is treated as a hung worker
+STOP_TIMEOUT_S = 30.0  # a worker asked to stop that has not exited by then is killed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +67,7 @@ class SCSession(ModeSession):
         self.pool = reward_pool()
         self.children: list[subprocess.Popen] = []
         self.connections: list[Connection] = []
+        self.lost_ranks: set[int] = set()  # workers whose link closed under them: their process died
         self.worker_rows: list[dict[str, float]] = []
         try:
             if listen is None:  # `locojax train`: start every worker here, each pinned to its host's cores
@@ -172,6 +174,8 @@ class SCSession(ModeSession):
         try:
             answer = link.receive(self.connections[rank], timeout_s, phase)
         except link.LinkError as exc:
+            if isinstance(exc, link.LinkLost):  # not a timeout: a hung worker still gets its stop deadline
+                self.lost_ranks.add(rank)
             dead = self._dead_child()
             raise SCError(f"{self._describe(rank)} was lost during {phase} of step {self.step_index}: {exc}"
                           + (f"; {dead}" if dead else "")) from None
@@ -193,6 +197,7 @@ class SCSession(ModeSession):
                 if connection.poll(1.0):
                     connection.recv()
             except (EOFError, OSError):
+                self.lost_ranks.add(rank)
                 return rank
         return None
 
@@ -201,6 +206,8 @@ class SCSession(ModeSession):
             try:
                 link.send(self.connections[rank], message, phase)
             except link.LinkError as exc:
+                if isinstance(exc, link.LinkLost):
+                    self.lost_ranks.add(rank)
                 raise SCError(f"{self._describe(rank)} was lost during {phase} of step {self.step_index}: "
                               f"{exc}") from None
         return [self._receive(rank, phase) for rank in range(self.hosts)]
@@ -277,14 +284,25 @@ class SCSession(ModeSession):
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        # Once a worker died (its process exited before it was asked to stop, or its link closed), the
+        # others are one `jax.distributed` job short: whatever they still do together (a checkpoint's
+        # commit, closing their checkpoints, JAX's exit-time shutdown barrier) waits for the dead one
+        # until its own timeout, minutes. Waiting for them would only sit out the stop deadline, so they
+        # are killed at once; a worker that is merely slow or hung, with every peer alive, still gets
+        # STOP_TIMEOUT_S to exit. Nothing of theirs is lost: a checkpoint is only committed by all.
+        peer_lost = bool(self.lost_ranks) or self._dead_child() is not None
         for connection in self.connections:
             try:
                 connection.send({"call": "stop"})
             except (OSError, EOFError, ValueError):
                 pass
         for child in self.children:
+            if peer_lost:
+                if child.poll() is None:
+                    _kill_group(child)
+                continue
             try:
-                child.wait(timeout=30)
+                child.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 _kill_group(child)
         for connection in self.connections:

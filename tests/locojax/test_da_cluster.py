@@ -50,11 +50,16 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def _client(address: str, **auth: str) -> subprocess.CompletedProcess:
+def _start_client(address: str, **auth: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | auth
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-c", CLIENT, address], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.Popen([sys.executable, "-c", CLIENT, address], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(client: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = client.communicate(timeout=180)
+    return subprocess.CompletedProcess(client.args, client.returncode, stdout, stderr)
 
 
 @pytest.mark.multiprocess
@@ -68,11 +73,20 @@ def test_the_runs_ray_cluster_admits_only_holders_of_the_attempts_secret(tmp_pat
     try:
         address = head.stdout.readline().strip()
         assert address, "the head did not start"
-        refused = _client(address)
+        # The three clients side by side: a refused one gives up only after Ray's ~20 s of connection
+        # retries, which two of them would otherwise sit out one after the other.
+        clients = [_start_client(address),
+                   _start_client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(other)),
+                   _start_client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(secret))]
+        try:
+            refused, wrong, admitted = [_finish(client) for client in clients]
+        finally:
+            for client in clients:  # one that timed out, and those not waited for after it
+                if client.poll() is None:
+                    client.kill()
+                    client.wait()
         assert refused.returncode != 0 and "ran" not in refused.stdout and "token" in refused.stderr
-        wrong = _client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(other))
         assert wrong.returncode != 0 and "ran" not in wrong.stdout and "token" in wrong.stderr.lower()
-        admitted = _client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(secret))
         assert admitted.returncode == 0 and admitted.stdout.strip().endswith("ran"), admitted.stderr[-2000:]
     finally:
         head.communicate(timeout=60)
