@@ -104,10 +104,16 @@ def build_tokenizer(texts: list[str], path: Path, vocab_size: int = 2048) -> Non
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
 
 
+# What `--model-preset NAME@FIELD=INT,...` may change. The tokenizer keeps min(2048, vocab_size) ids
+# (`build_inputs`), so a larger vocabulary only widens the model's head and embedding.
+DIMENSION_FIELDS = ("d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
+
+
 def model_config(preset: str):
     """The model `--model-preset` names: a preset, or a preset with some dimensions changed,
-    `small@d_model=512,d_ff=2048,n_heads=8` (the placement model's calibration runs small models of more
-    than one width: bench/tpu.sh's placement-runs). Its name says what changed."""
+    `small@d_model=512,d_ff=2048,n_heads=8` or `small@vocab_size=151936` (the placement model's
+    calibration runs small models of more than one width and vocabulary size: bench/tpu.sh's
+    placement-runs). Its name says what changed."""
     from locojax.model import get_preset
 
     base, _, changes = preset.partition("@")
@@ -117,9 +123,9 @@ def model_config(preset: str):
     fields = {}
     for item in changes.split(","):
         key, _, value = item.partition("=")
-        if key not in {"d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "head_dim"} or not value.isdigit():
-            raise SystemExit(f"--model-preset {preset}: expected NAME@FIELD=INT,... over d_model, d_ff, n_layers, "
-                             f"n_heads, n_kv_heads, head_dim; got {item!r}")
+        if key not in DIMENSION_FIELDS or not value.isdigit():
+            raise SystemExit(f"--model-preset {preset}: expected NAME@FIELD=INT,... over "
+                             f"{', '.join(DIMENSION_FIELDS)}; got {item!r}")
         fields[key] = int(value)
     return dataclasses.replace(config, name=preset, **fields)
 

@@ -25,9 +25,11 @@
 #                runs' files in OUTDIR/scale_runs.tar.gz
 #   limits       ~4 min (9 min): bench/scale.py's limits at the same batch (HBM bandwidth, bf16 matmul
 #                peak, the decode loop timed alone)
-#   placement-runs ~6 min (9 min): six `locojax train` runs of the small preset at two widths (PLACEMENT_CONFIGS,
-#                dtype:remat:prompts:group:prompt:new[:model]), each run's files (placement_runK.tar.gz) in OUTDIR/placement_runs.tar.gz, for the placement
-#                model's out-of-sample TPU calibration (bench/placement_tpu.py predict); not in the default list
+#   placement-runs ~7 min (9 min): six `locojax train` runs of the small preset at two widths and two
+#                vocabulary sizes, the byte-level 384 and Qwen3's 151,936 (PLACEMENT_CONFIGS,
+#                dtype:remat:prompts:group:prompt:new[:model]), each run's files (placement_runK.tar.gz) in
+#                OUTDIR/placement_runs.tar.gz, for the placement model's out-of-sample TPU calibration
+#                (bench/placement_tpu.py predict); not in the default list
 #   lora-1.7b    ~8 min (9 min): bench/grpo_step.py --size lora (issue 40): LoRA rank 16 on every linear layer
 #                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
 #                fit, 2 rounds; not in the default list
@@ -168,9 +170,22 @@ c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, O
 # predicts) at varied batches, dtypes and remat, each run's directory (environment.json included) packed
 # in OUTDIR/placement_runK.tar.gz, all of them in OUTDIR/placement_runs.tar.gz, for `bench/placement_tpu.py predict`.
 # A config's optional 7th field is its model (bench/scale.py's --model-preset: a preset, or one with some
-# dimensions changed); the default calibrates from the small preset at two widths, 256 and 512, since runs
-# of one width cannot tell the MFU from how it falls with width (locojax/placement/calibration.py).
-PLACEMENT_CONFIGS=${PLACEMENT_CONFIGS:-"bfloat16:full:16:8:64:128 float32:full:4:4:96:128 float32:none:8:8:64:64 bfloat16:full:32:8:64:128 bfloat16:full:16:8:64:128:small@d_model=512,d_ff=2048,n_heads=8,n_kv_heads=8 float32:full:4:4:96:128:small@d_model=512,d_ff=2048,n_heads=8,n_kv_heads=8"}
+# dimensions changed). The default calibrates from the small preset at two widths, 256 and 512, since runs
+# of one width cannot tell the MFU from how it falls with width, and at two vocabulary sizes: the preset's
+# byte-level 384 entries, where the work per vocabulary entry (sampling in decode, the log-softmax over
+# each scored slot's logits in training) is lost in the noise, and Qwen3's 151,936, where it can be most
+# of a small model's step (round 2 calibrated at 384 only, left decode_vocab_overhead_s at its floor and
+# had no training term, and priced the 0.6B's bf16 step 26% low; the fit now leaves costs per vocabulary
+# entry alone unless the runs hold two sizes: locojax/placement/calibration.py). The two
+# real-vocabulary runs are the bf16 16x8 configuration at each width, so each pairs with a byte-vocabulary
+# run that differs in the vocabulary alone (each holds 16384 slots x 16384-entry float32 logit chunks,
+# ~3 GiB, as the 0.6B does). They replace round 2's float32 no-remat 8x8 64+64 run and its bf16 32x8 run
+# at width 256 (neither target runs without remat; the 16- and 128-row runs at each width still vary the
+# batch), which keeps six runs within the stage's 540 s: round 2's took 69-76 s each, mostly compiling;
+# the real-vocabulary ones (a head of 39M or 78M parameters) may take a little longer. Not yet
+# timed on the chip: a CPU dry run at 2x2 prompts, 32 + 16 tokens, took 22 s.
+PLACEMENT_WIDE=d_model=512,d_ff=2048,n_heads=8,n_kv_heads=8
+PLACEMENT_CONFIGS=${PLACEMENT_CONFIGS:-"bfloat16:full:16:8:64:128 float32:full:4:4:96:128 bfloat16:full:16:8:64:128:small@$PLACEMENT_WIDE float32:full:4:4:96:128:small@$PLACEMENT_WIDE bfloat16:full:16:8:64:128:small@vocab_size=151936 bfloat16:full:16:8:64:128:small@$PLACEMENT_WIDE,vocab_size=151936"}
 placement_runs() {
   local k=0 failed=0 config
   for config in $PLACEMENT_CONFIGS; do

@@ -11,9 +11,10 @@ prior ratio. What else is fitted depends on the profile (`FitRecipe`, `recipe_fo
     one; one factor, `device_time_scale`, says how much slower or faster than the probe the devices
     ran in the measured runs;
   * accelerators: their device constants too (train MFU, the fixed costs per train step, per decoder
-    layer and per sequence of a decode step, the HBM bandwidth decode reaches), against each run's
-    measured phases (`time/rollout`, `time/train`, `time/reward`) as well as its step, so that runs of
-    small models tell the fixed costs from the rates that larger ones are priced with.
+    layer of a decode step, per vocabulary entry of each sequence decode samples and of each slot
+    training scores, the HBM bandwidth decode reaches), against each run's measured phases
+    (`time/rollout`, `time/train`, `time/reward`) as well as its step, so that runs of small models
+    tell the fixed costs from the rates that larger ones are priced with.
 
 An observation prices the run as this engine ran it (`EngineSettings`): its dtype's bytes per value,
 the training FLOPs its remat and KL settings cost, dense static-shape attention and one dispatch per
@@ -398,6 +399,13 @@ class DeviceConstant:
     floor: float
     at_most: float | None = None  # absolute upper bound
     at_most_start: bool = False  # the profile's own value is the upper bound
+    # A cost per vocabulary entry: fitted only from runs of more than one vocabulary size. At one size it
+    # is a fixed cost per sequence or scored slot in disguise, which the fit trades against the matmul
+    # rate and the other per-slot costs, and which a model of another vocabulary then multiplies by the
+    # ratio of the sizes: on round 2's six runs, all at 384 entries, a fitted training term took 5.9e-10 s
+    # and moved train_mfu / mfu_reference_width from 0.84 / 359 to 0.98 / 256 at the same fit error, a
+    # choice the runs cannot make and 151,936 entries magnify 400x. Otherwise it keeps the profile's value.
+    per_vocab_entry: bool = False
 
 
 DEVICE_CONSTANTS: dict[str, DeviceConstant] = {
@@ -407,7 +415,10 @@ DEVICE_CONSTANTS: dict[str, DeviceConstant] = {
     "mfu_reference_width": DeviceConstant(floor=1.0),
     "train_step_overhead_s": DeviceConstant(floor=1e-4),
     "decode_layer_overhead_s": DeviceConstant(floor=1e-6),
-    "decode_vocab_overhead_s": DeviceConstant(floor=1e-12),
+    "decode_vocab_overhead_s": DeviceConstant(floor=1e-12, per_vocab_entry=True),
+    # The log-softmax over a scored slot's vocabulary in training: like decode's sampling, told apart
+    # only by runs at two vocabulary sizes (bench/tpu.sh's placement-runs include the real one).
+    "train_vocab_overhead_s": DeviceConstant(floor=1e-12, per_vocab_entry=True),
     "hbm_bandwidth": DeviceConstant(floor=1e9, at_most_start=True),
 }
 
@@ -439,6 +450,14 @@ def _fitted_names(hardware: HardwareProfile, observations: Sequence[Observation]
     return [name for name in (*HOST_CONSTANTS, *NETWORK_CONSTANTS) if name in used]
 
 
+def _fitted_device_names(recipe: FitRecipe, observations: Sequence[Observation]) -> list[str]:
+    """The recipe's device constants these runs can tell apart: per-vocabulary-entry costs only where
+    the runs hold more than one vocabulary size (`DeviceConstant.per_vocab_entry`)."""
+    vocab_sizes = {obs.model.vocab_size for obs in observations}
+    return [name for name in recipe.device_constants
+            if len(vocab_sizes) > 1 or not DEVICE_CONSTANTS[name].per_vocab_entry]
+
+
 def _residuals(hardware: HardwareProfile, observations: Sequence[Observation], phases: bool = False) -> list[float]:
     """Each run's step, host and network error (and with `phases`, its phases' errors) as a fraction of
     its measured step. The host/network split and the phases are compared only where the engine times
@@ -464,7 +483,8 @@ def calibrate(hardware: HardwareProfile, observations: Sequence[Observation],
     constants, and what the profile's `FitRecipe` adds (`recipe_for`; `fit_device_scale` overrides
     its choice): for the local CPU, how fast the devices ran relative to the probe's rates
     (`device_time_scale`: a probe times kernels in isolation, minutes or hours away from the runs, and
-    this machine's speed drifts by tens of % over that); for accelerators, the device constants.
+    this machine's speed drifts by tens of % over that); for accelerators, the device constants (those
+    per vocabulary entry only where the runs hold two vocabulary sizes: `_fitted_device_names`).
 
     One nonlinear least squares over the log of each value's multiplier, on every run's step, host and
     network error (`_residuals`), with a weak pull towards the current values. The counts themselves
@@ -482,7 +502,7 @@ def calibrate(hardware: HardwareProfile, observations: Sequence[Observation],
     current = constant_values(hardware)
     start = {name: max(current[name], _FLOOR.get(name, 1e-9)) for name in _fitted_names(hardware, observations)}
     upper: dict[str, float] = {}
-    for name in recipe.device_constants:
+    for name in _fitted_device_names(recipe, observations):
         constant = DEVICE_CONSTANTS[name]
         start[name] = max(getattr(hardware, name), constant.floor)
         if constant.at_most is not None:

@@ -16,8 +16,11 @@ Modelling choices, each a plain physical statement:
     (`HardwareProfile.decode_attention`: ragged paged attention, or dense static shapes).
   * Training costs the profile's FLOPs per parameter-token (10 N on accelerators: rematerialised
     update plus a log-prob pass; 6 N for the local engine) plus attention, at the profile's MFU
-    (scaled down for narrow models); the gradient all-reduce is a ring over ICI inside an ICI domain
-    (a TPU slice, an NVLink node, one local process), hierarchical with DCN across hosts beyond it.
+    (scaled down for narrow models), and per scored slot the elementwise log-softmax over its
+    vocabulary (`train_vocab_overhead_s`, as decode's sampling has `decode_vocab_overhead_s`: both 0
+    until fitted, and only runs at two vocabulary sizes tell them apart from the rest); the gradient
+    all-reduce is a ring over ICI inside an ICI domain (a TPU slice, an NVLink node, one local
+    process), hierarchical with DCN across hosts beyond it.
   * Host orchestration: every computation the host dispatches and waits on costs one host-local
     round trip (CO, DA) or one controller round trip that grows with the host count (SC); chunked
     decode (`decode_tokens_per_dispatch`) makes those many. SC also gathers every rollout to the
@@ -411,10 +414,13 @@ def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadP
     flops, _ = chip_rates(hardware, busy_chips)
     param_flops, attention_flops = train_flops(model, hardware, workload.samples, workload.seq_len, workload.gen_len)
     scored_per_chip = workload.samples * workload.gen_len / chips
+    # Per scored slot beside its matmuls: a fixed part and a part per vocabulary entry (the log-softmax
+    # and entropy over the slot's logits).
+    per_scored_s = hardware.train_scored_token_overhead_s + model.vocab_size * hardware.train_vocab_overhead_s
     device_s = hardware.device_time_scale * (
         (param_flops + attention_flops / hardware.train_attention_efficiency)
         / (chips * flops * effective_mfu(model, hardware))
-        + (scored_per_chip * hardware.train_scored_token_overhead_s + hardware.train_step_overhead_s)
+        + (scored_per_chip * per_scored_s + hardware.train_step_overhead_s)
         * cpu_sharing(hardware, busy_hosts))
     return Terms(device_s, _dispatch_host_terms(mode, TRAIN_DISPATCHES, hosts))
 

@@ -62,7 +62,7 @@ PCIE_BANDWIDTH = 15 * GB
 RATE_FIELDS = ("peak_flops", "train_mfu", "decode_mfu", "prefill_mfu", "train_attention_efficiency",
                "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s",
                "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_step_overhead_s",
-               "train_scored_token_overhead_s")
+               "train_scored_token_overhead_s", "train_vocab_overhead_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +109,16 @@ class HardwareProfile:
     # slots; per device while every device is busy. 0 on accelerators, where it hides under the
     # matmuls; `locojax probe` measures it for local-cpu. (Per-slot work that is not a matmul has no
     # field of its own: it scales with the slots exactly as the body's matmul FLOPs do, so a fit
-    # cannot tell the two apart, and the matmul rate carries both.)
+    # cannot tell the two apart, and the matmul rate carries both. That holds at one vocabulary size
+    # only: the part that grows with the vocabulary is `train_vocab_overhead_s`.)
     train_scored_token_overhead_s: float = 0.0
+    # Device time per scored slot per vocabulary entry of a training step beyond the head's matmul:
+    # the online log-sum-exp and entropy over every [slot, vocabulary] float32 logit (locojax.train's
+    # chunked_logprobs_and_entropy, forward and backward), elementwise work that a byte-level
+    # vocabulary makes negligible and Qwen3's 151,936 entries do not. 0 until calibration fits it from
+    # runs at two vocabulary sizes (one size cannot tell it from the per-slot and matmul costs); the
+    # local CPU's probe counts its 384-entry share in `train_scored_token_overhead_s`.
+    train_vocab_overhead_s: float = 0.0
     # Published MFU figures are for models at least this wide (Llama-3.1-8B, d_model 4096). Narrower
     # models are assumed to reach proportionally less (`train_mfu * d_model / mfu_reference_width`):
     # the per-token work that is not a large matmul (norms, activations, softmax, collective
@@ -175,7 +183,8 @@ class HardwareProfile:
         non_negative = ("ici_latency_s", "dcn_latency_s", "dispatch_s", "controller_round_trip_s",
                         "controller_round_trip_per_host_s", "reward_cpu_scale", "ray_call_s",
                         "decode_step_overhead_s", "train_step_overhead_s", "decode_row_overhead_s",
-                        "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_scored_token_overhead_s")
+                        "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_scored_token_overhead_s",
+                        "train_vocab_overhead_s")
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")

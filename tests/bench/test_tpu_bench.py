@@ -180,3 +180,17 @@ def test_identical_work_check_refuses_a_run_that_decoded_other_work():
         check = identical_work(work, [good, {**good, **bad}], steps=2)
         assert not check["ok"] and words in " ".join(check["problems"])
     assert "1 rollouts for 2 steps" in identical_work(work, [good], steps=2)["problems"][0]
+
+
+def test_scale_model_presets_change_a_presets_width_and_vocabulary_by_name():
+    """bench/tpu.sh's placement-runs calibrate from the small preset at another width and at Qwen3's
+    vocabulary (`small@...,vocab_size=151936`); a field the bench cannot change is refused by name."""
+    from bench.scale import model_config
+    from locojax.model.config import PRESETS
+
+    wide = model_config("small@d_model=512,d_ff=2048,n_heads=8,n_kv_heads=8,vocab_size=151936")
+    assert (wide.d_model, wide.d_ff, wide.n_heads, wide.vocab_size) == (512, 2048, 8, 151936)
+    assert wide.n_layers == PRESETS["small"].n_layers and wide.name.startswith("small@")
+    assert model_config("small") == PRESETS["small"]
+    with pytest.raises(SystemExit, match="got 'rope_theta=5'"):
+        model_config("small@rope_theta=5")

@@ -4,14 +4,18 @@ profile cites, and bench/placement_tpu.py's predict/score round on runs a known 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 
 from bench import placement_tpu
 from locojax import contract as c
+from locojax.model.config import PRESETS
 from locojax.placement.calibration import (
+    Observation,
     calibrate,
     observation_from_payload,
     observation_payload,
@@ -74,6 +78,62 @@ def test_small_model_runs_recover_an_accelerators_device_constants(small_dirs):
         assert fitted["step_s"] == pytest.approx(truth["step_s"], rel=0.03)
         assert fitted["rollout_s"] == pytest.approx(truth["rollout_s"], rel=0.05)
         assert abs(true_times(spec, HARDWARE.get("tpu-v5e"))["step_s"] / truth["step_s"] - 1) > 0.15
+
+
+QWEN3_VOCAB = PRESETS["qwen3-0.6b"].vocab_size
+# A v5e whose work per vocabulary entry is known: sampling a decoded sequence's next token, and the
+# log-softmax and entropy over a scored slot's logits in training.
+TRUE_V5E_VOCAB = TRUE_V5E.replace(decode_vocab_overhead_s=0.5e-10, train_vocab_overhead_s=1.5e-10)
+# The small preset at Qwen3's vocabulary (bench/tpu.sh's placement-runs: `small@vocab_size=151936`).
+REAL_VOCAB_RUNS = [spec_dict("small-v-16x8-128-bf16", "small", 16, 8, 64, 128, dtype="bfloat16", remat="full"),
+                   spec_dict("small-v-4x4-96-128", "small", 4, 4, 96, 128, remat="full")]
+
+
+def with_noise(obs: Observation, rng: np.random.Generator, level: float) -> Observation:
+    """`obs` with its rollout and train medians each off by up to `level` (the step moves with them)."""
+    m = obs.measured
+    rollout, train = (value * (1 + rng.uniform(-level, level)) for value in (m.rollout_s, m.train_s))
+    step = m.step_s + (rollout - m.rollout_s) + (train - m.train_s)
+    return dataclasses.replace(obs, measured=dataclasses.replace(m, rollout_s=rollout, train_s=train, step_s=step))
+
+
+def test_vocabulary_costs_are_told_apart_only_by_runs_at_two_vocabulary_sizes(tmp_path):
+    """Runs of a byte-level vocabulary alone leave the per-entry costs unfitted (at one size they are
+    per-slot costs in disguise), and a 0.6B with 400x the entries is then priced far too low; adding
+    small-preset runs at Qwen3's vocabulary recovers both costs, and the 0.6B with them."""
+    def observe(spec, vocab_size=None):
+        run = write_run_dir(tmp_path / f"{spec['name']}-{vocab_size}", spec, profile=TRUE_V5E_VOCAB,
+                            vocab_size=vocab_size)
+        return observation_from_payload(observation_payload(run))
+
+    byte_vocab = [observe(spec) for spec in SMALL_RUNS]
+    real_vocab = [observe(spec, QWEN3_VOCAB) for spec in REAL_VOCAB_RUNS]
+    assert {obs.model.vocab_size for obs in real_vocab} == {QWEN3_VOCAB}  # environment.json carried it
+    shipped = HARDWARE.get("tpu-v5e")
+    vocab_constants = ("train_vocab_overhead_s", "decode_vocab_overhead_s")
+
+    one = calibrate(shipped, byte_vocab)
+    assert not set(vocab_constants) & set(one.constants)
+    assert one.profile.train_vocab_overhead_s == one.profile.decode_vocab_overhead_s == 0
+    assert one.after.step < 0.05  # in sample the byte-vocabulary runs hardly notice
+    truth = true_times(BF16, TRUE_V5E_VOCAB)["step_s"]
+    vocab_work = truth - true_times(BF16, TRUE_V5E)["step_s"]
+    assert vocab_work > 0.1 * truth
+    assert truth - true_times(BF16, one.profile)["step_s"] > 0.5 * vocab_work  # most of it is missed
+
+    two = calibrate(shipped, byte_vocab + real_vocab)
+    for name in vocab_constants:
+        assert two.constants[name] == pytest.approx(getattr(TRUE_V5E_VOCAB, name), rel=0.03)
+    for spec in (BF16, F32):
+        fitted, truth = true_times(spec, two.profile), true_times(spec, TRUE_V5E_VOCAB)
+        for phase in ("step_s", "rollout_s", "train_s"):
+            assert fitted[phase] == pytest.approx(truth[phase], rel=0.03)
+
+    # Not an artefact of exact data: with each run's phases up to 5% off, both are still within 20%.
+    rng = np.random.default_rng(0)
+    noisy = calibrate(shipped, [with_noise(obs, rng, 0.05) for obs in byte_vocab + real_vocab])
+    for name in vocab_constants:
+        assert noisy.constants[name] == pytest.approx(getattr(TRUE_V5E_VOCAB, name), rel=0.2)
 
 
 def test_a_fit_leaves_the_catalog_and_the_paper_findings_alone(small_dirs):
