@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from locojax.spec import EvalSpec, RunSpec, SpecError, load_spec, parse_spec
 
 from locojax.compilation_cache import cache_from_every_process
-from locojax.contract import CHECKPOINTS_DIR, EXIT_CANCELLED, EXIT_FAILED, EXIT_SPEC_ERROR, EngineStatus
+from locojax.contract import CHECKPOINTS_DIR, EXIT_CANCELLED, EXIT_FAILED, EXIT_SPEC_ERROR, EngineStatus, validation_message
 from locojax.modes import spec_mode
 
 SpecArg = typer.Argument(..., exists=False, help="run spec (YAML); see examples/")
@@ -382,7 +382,7 @@ def eval_command(
     try:
         eval_spec = EvalSpec.model_validate({**(spec.eval or EvalSpec()).model_dump(), **overrides})
     except ValidationError as exc:
-        errors = [(".".join(["eval", *map(str, err["loc"])]), err["msg"].removeprefix("Value error, "))
+        errors = [(".".join(["eval", *map(str, err["loc"])]), validation_message(err))
                   for err in exc.errors()]
         typer.secho(str(SpecError(errors, "command-line overrides")), fg="red", err=True)
         raise typer.Exit(EXIT_SPEC_ERROR) from None

@@ -219,6 +219,13 @@ class EngineStatus(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
+def validation_message(error: Mapping[str, Any]) -> str:
+    """What a person reads for one pydantic validation error (an item of `ValidationError.errors()`): its
+    message without the "Value error, " pydantic puts before a validator's own, so the CLI, the REST API
+    and the placement commands word a refusal alike."""
+    return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # a host failed (e.g. a DA actor died); the message names it
 EXIT_SPEC_ERROR = 2  # refused before anything ran: a bad spec, option or input; the message says why

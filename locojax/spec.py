@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from locojax.contract import validation_message
 from locojax.modes import KIND_MODES, spec_mode
 
 Mode = Literal["co", "da", "sc"]
@@ -310,7 +311,7 @@ def parse_spec(data: Any, source: str = "spec") -> RunSpec:
     try:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
-        errors = [(_field_path(err["loc"]), err["msg"].removeprefix("Value error, ")) for err in exc.errors()]
+        errors = [(_field_path(err["loc"]), validation_message(err)) for err in exc.errors()]
         raise SpecError(errors, source) from None
 
 

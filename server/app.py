@@ -21,6 +21,7 @@ from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from locojax.contract import validation_message
 from server.api import calibration, catalog, events, health, hosts, metrics, placement, runs, tokens
 from server.api.deps import StreamSlots, reject_nul_characters
 from server.db import Database, upgrade_to_head
@@ -51,9 +52,8 @@ def _field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
         location, *path = error.get("loc", ()) or ("body",)
         if error.get("type") == "json_invalid":
             path = []  # the position inside the document, not a field
-        # Pydantic prefixes a validator's own message with "Value error, "; the CLI shows it without.
         details.append({"field": ".".join(str(part) for part in path), "location": str(location),
-                        "message": error.get("msg", "invalid").removeprefix("Value error, "),
+                        "message": validation_message(error),
                         "type": error.get("type", "")})
     return details
 

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from locojax.contract import EXIT_SPEC_ERROR
+from locojax.contract import EXIT_SPEC_ERROR, validation_message
 
 LocalProfileOption = Annotated[
     Optional[Path],
@@ -77,7 +77,7 @@ def recommend_command(
                                    prompt_len=prompt_len, gen_len=gen_len)
         result = recommend(request, _resolve_hardware(hardware, local_profile, calibration))
     except ValidationError as exc:
-        _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg'].removeprefix('Value error, ')}"
+        _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {validation_message(e)}"
                         for e in exc.errors()))
     except ValueError as exc:
         _fail(str(exc))

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from locojax.contract import validation_message
 from server.errors import InvalidInputError, NotFoundError, UnavailableError
 from server.models import PlacementDecision
 from server.schemas import PlacementRecommendRequest
@@ -57,7 +58,7 @@ def recommend(session: Session, body: PlacementRecommendRequest, *, created_by: 
         recommendation = recommend_fn(request_cls(**fields), profile)
     except ValidationError as exc:  # the library's own request model refused a combination
         details = [{"field": ".".join(str(part) for part in error["loc"]),
-                    "message": error["msg"].removeprefix("Value error, ")} for error in exc.errors()]
+                    "message": validation_message(error)} for error in exc.errors()]
         first = details[0] if details else {"field": "", "message": str(exc)}
         raise InvalidInputError(f"{first['field'] or 'request'}: {first['message']}", code="PLACEMENT_INVALID",
                                 details=details) from None
