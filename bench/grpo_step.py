@@ -405,8 +405,7 @@ def locojax_side(args) -> None:
         "first_step_s": sink.records[0].get("time/setup", 0.0) + sink.records[0]["time/step"],
         "step0_s": sink.records[0]["time/step"],
         # time/setup's parts (CO): the programs compiled ahead of the loop, the model and its state built.
-        "setup_parts_s": {name: sink.records[0][name] for name in ("time/setup_compile", "time/setup_model")
-                          if name in sink.records[0]},
+        "setup_parts_s": {name: sink.records[0][name] for name in m.SETUP_PARTS if name in sink.records[0]},
         "steps_completed": len(sink.records),
         "setup_and_first_step_s": sink.stamps[0] - started,  # run_co's setup (model built) and step 0
         "total_s": total,

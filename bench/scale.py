@@ -207,6 +207,8 @@ PLAN_LINE = re.compile(r"memory plan per device .*?: peak ([0-9.]+) GiB")
 
 
 def step_figures(metrics_file: Path, steps: int) -> dict:
+    from locojax.contract import SETUP_PARTS
+
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("host") in ("all", 0, "0") and "time/step" in r]
     by_step = {int(r["step"]): r for r in rows}
@@ -231,8 +233,7 @@ def step_figures(metrics_file: Path, steps: int) -> dict:
             # built) plus step 0: where the engine compiles ahead of the loop, step 0 alone hides it.
             "first_step_s": float(first.get("time/setup", 0.0)) + float(first["time/step"]) if first else None,
             "setup_s": float(first["time/setup"]) if "time/setup" in first else None,
-            "setup_parts_s": {name: float(first[name]) for name in ("time/setup_compile", "time/setup_model")
-                              if name in first},
+            "setup_parts_s": {name: float(first[name]) for name in SETUP_PARTS if name in first},
             "per_step_s": [float(by_step[s]["time/step"]) for s in sorted(by_step)],
             "completion_len_max": [by_step[s].get("completion/len_max") for s in sorted(by_step)]}
 

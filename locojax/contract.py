@@ -82,6 +82,7 @@ TIME_SETUP_COMPILE = _define("time/setup_compile", "s", "max",
                              "first step only: of time/setup, lowering and compiling the run's programs")
 TIME_SETUP_MODEL = _define("time/setup_model", "s", "max",
                            "first step only: of time/setup, the policy, its train state on the mesh, a restore")
+SETUP_PARTS = (TIME_SETUP_COMPILE, TIME_SETUP_MODEL)
 # The paper's split; see `split_step_time` for the definition.
 TIME_DEVICE = _define("time/device", "s", "mean", "devices busy: device computations timed up to block_until_ready")
 TIME_NETWORK = _define("time/network", "s", "mean", "collectives and weight transfers timed on their own")

@@ -253,7 +253,7 @@ def test_steady_steps_trace_and_compile_nothing(tmp_path):
                 self.seen[step] = len(events)
                 if m.TIME_SETUP in metrics:
                     self.setup[step] = metrics[m.TIME_SETUP]
-                    self.setup_parts = {name: metrics.get(name) for name in (m.TIME_SETUP_COMPILE, m.TIME_SETUP_MODEL)}
+                    self.setup_parts = {name: metrics.get(name) for name in m.SETUP_PARTS}
 
         def close(self):
             pass
