@@ -30,6 +30,8 @@
 #                dtype:remat:prompts:group:prompt:new[:model]), each run's files (placement_runK.tar.gz) in
 #                OUTDIR/placement_runs.tar.gz, for the placement model's out-of-sample TPU calibration
 #                (bench/placement_tpu.py predict); not in the default list
+#   placement-depth ~4 min (9 min): three more (placement_run7..9, in OUTDIR/placement_depth_runs.tar.gz):
+#                12 layers instead of 4, so per-layer costs are told from per-token ones (not in the default list)
 #   lora-1.7b    ~8 min (9 min): bench/grpo_step.py --size lora (issue 40): LoRA rank 16 on every linear layer
 #                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
 #                fit, 2 rounds; not in the default list
@@ -181,14 +183,20 @@ c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, O
 # run that differs in the vocabulary alone (each holds 16384 slots x 16384-entry float32 logit chunks,
 # ~3 GiB, as the 0.6B does). They replace round 2's float32 no-remat 8x8 64+64 run and its bf16 32x8 run
 # at width 256 (neither target runs without remat; the 16- and 128-row runs at each width still vary the
-# batch), which keeps six runs within the stage's 540 s: round 2's took 69-76 s each, mostly compiling;
-# the real-vocabulary ones (a head of 39M or 78M parameters) may take a little longer. Not yet
-# timed on the chip: a CPU dry run at 2x2 prompts, 32 + 16 tokens, took 22 s.
+# batch), which keeps six runs within the stage's 540 s: on the chip at 3618d11 they took 63-70 s each,
+# mostly compiling, the real-vocabulary ones 78 and 84 s (the stage 463 s).
 PLACEMENT_WIDE=d_model=512,d_ff=2048,n_heads=8,n_kv_heads=8
 PLACEMENT_CONFIGS=${PLACEMENT_CONFIGS:-"bfloat16:full:16:8:64:128 float32:full:4:4:96:128 bfloat16:full:16:8:64:128:small@$PLACEMENT_WIDE float32:full:4:4:96:128:small@$PLACEMENT_WIDE bfloat16:full:16:8:64:128:small@vocab_size=151936 bfloat16:full:16:8:64:128:small@$PLACEMENT_WIDE,vocab_size=151936"}
-placement_runs() {
-  local k=0 failed=0 config
-  for config in $PLACEMENT_CONFIGS; do
+# Depth: the same small models at 12 layers (the small preset has 4, Qwen3-0.6B 28), so the fit can
+# tell per-layer costs (decode's per-layer launches, training's elementwise passes over each layer's
+# activations: `train_layer_activation_s`) from per-token ones; round 3's six runs, all 4 layers deep,
+# left training's matmul rate at an MFU of 0.98 and under-predicted the 0.6B. A stage of its own
+# (placement-depth), its files numbered after placement-runs' (placement_run7..9).
+PLACEMENT_DEPTH_CONFIGS=${PLACEMENT_DEPTH_CONFIGS:-"bfloat16:full:16:8:64:128:small@n_layers=12 bfloat16:full:16:8:64:128:small@$PLACEMENT_WIDE,n_layers=12,vocab_size=151936 float32:full:4:4:96:128:small@$PLACEMENT_WIDE,n_layers=12"}
+placement_runs() {  # FIRST_RUN_NUMBER TARBALL CONFIG...
+  local k=$(($1 - 1)) tarball=$2 failed=0 config
+  shift 2
+  for config in "$@"; do
     k=$((k + 1))
     IFS=: read -r dtype remat prompts group prompt_tokens new_tokens preset <<< "$config"
     rm -rf "$targets/placement-work/run$k"
@@ -200,7 +208,7 @@ placement_runs() {
       --out "$out/placement_run$k.json" --load-note "one TPU chip, nothing else on it" ${PLACEMENT_ARGS:-} || failed=1
   done
   # One file back from the machine, however many runs (a device call returns a few files only).
-  (cd "$out" && tar czf placement_runs.tar.gz placement_run[0-9]*.json placement_run[0-9]*.tar.gz \
+  (cd "$out" && tar czf "$tarball" placement_run[0-9]*.json placement_run[0-9]*.tar.gz \
     && rm -f placement_run[0-9]*.json placement_run[0-9]*.tar.gz) || failed=1
   return $failed
 }
@@ -234,7 +242,10 @@ for name in $stages; do
     limits) stage limits 540 "$py" bench/scale.py --platform "$platform" --stage limits --limits-part $scale_batch \
       --decode-rows "" --work "$work" --out "$out/part_limits.json" --load-note "one TPU chip, nothing else on it" \
       ${SCALE_ARGS:-} ;;
-    placement-runs) stage placement-runs 540 placement_runs ;;
+    # shellcheck disable=SC2086
+    placement-runs) stage placement-runs 540 placement_runs 1 placement_runs.tar.gz $PLACEMENT_CONFIGS ;;
+    # shellcheck disable=SC2086
+    placement-depth) stage placement-depth 540 placement_runs 7 placement_depth_runs.tar.gz $PLACEMENT_DEPTH_CONFIGS ;;
     # shellcheck disable=SC2086
     lora-1.7b) stage lora-1.7b 540 grpo lora-1.7b lora --rows search --max-prompts 8 --rounds 2 --work "$work" \
       ${LORA_ARGS:-} ;;
@@ -242,7 +253,7 @@ for name in $stages; do
     lora-4b) stage lora-4b 540 grpo lora-4b lora --model-preset qwen3-4b --rows search --max-prompts 8 --rounds 1 \
       --work "$work" ${LORA_ARGS:-} ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs lora-1.7b lora-4b merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth lora-1.7b lora-4b merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"

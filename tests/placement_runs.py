@@ -33,17 +33,20 @@ def spec_dict(name: str, preset: str, prompts: int, group: int, prompt_len: int,
             "algo": {"kl_coef": kl}, "steps": steps, "placement": {"mode": "co", "hosts": 1, "devices_per_host": 1}}
 
 
-def run_model(spec: dict[str, Any], vocab_size: int | None = None) -> ModelConfig:
-    """The model a run of `spec` trains: its preset in its dtype, at `vocab_size` where given (as
-    bench/scale.py's `--model-preset small@vocab_size=...` builds it; environment.json records it)."""
+def run_model(spec: dict[str, Any], vocab_size: int | None = None, n_layers: int | None = None) -> ModelConfig:
+    """The model a run of `spec` trains: its preset in its dtype, at `vocab_size` and `n_layers` where
+    given (as bench/scale.py's `--model-preset small@vocab_size=...,n_layers=...` builds it;
+    environment.json records it)."""
     parsed = parse_spec(spec)
     model = PRESETS[parsed.model.preset].replace(dtype=parsed.model.dtype, param_dtype=parsed.model.dtype)
-    return model if vocab_size is None else model.replace(vocab_size=vocab_size)
+    changed = {name: value for name, value in (("vocab_size", vocab_size), ("n_layers", n_layers)) if value}
+    return model.replace(**changed) if changed else model
 
 
-def true_times(spec: dict[str, Any], profile: HardwareProfile, vocab_size: int | None = None) -> dict[str, float]:
+def true_times(spec: dict[str, Any], profile: HardwareProfile, vocab_size: int | None = None,
+               n_layers: int | None = None) -> dict[str, float]:
     parsed = parse_spec(spec)
-    model = run_model(spec, vocab_size)
+    model = run_model(spec, vocab_size, n_layers)
     unmeasured = StepMeasurement(step_s=1.0, device_s=math.nan, host_s=math.nan, network_s=math.nan, steps=1)
     estimate = observation_from(parsed, model, unmeasured).predict(profile)
     return {"step_s": estimate.step_s, **predicted_phases(estimate), "device_s": estimate.device_s,
@@ -52,13 +55,13 @@ def true_times(spec: dict[str, Any], profile: HardwareProfile, vocab_size: int |
 
 def write_run_dir(directory: Path, spec: dict[str, Any], *, profile: HardwareProfile = TRUE_V5E,
                   device_kind: str = "TPU v5 lite", platform: str = "tpu", finished: bool = True,
-                  steps: int | None = None, vocab_size: int | None = None) -> Path:
+                  steps: int | None = None, vocab_size: int | None = None, n_layers: int | None = None) -> Path:
     """A run directory of `spec` whose steady steps take what `profile` predicts (the first one compiles);
-    with `vocab_size`, of its preset at that vocabulary size."""
+    with `vocab_size` or `n_layers`, of its preset at that vocabulary size or depth."""
     directory.mkdir(parents=True, exist_ok=True)
     parsed = parse_spec(spec)
     (directory / c.SPEC_FILE).write_text(dump_spec(parsed), encoding="utf-8")
-    times = true_times(spec, profile, vocab_size)
+    times = true_times(spec, profile, vocab_size, n_layers)
     steps = parsed.steps if steps is None else steps
     sink = c.JsonlSink(directory / c.METRICS_FILE, append=False)
     for step in range(steps):
@@ -70,7 +73,7 @@ def write_run_dir(directory: Path, spec: dict[str, Any], *, profile: HardwarePro
         sink.write(step, 0, record)
         sink.write(step, c.ALL_HOSTS, record)
     sink.close()
-    model = run_model(spec, vocab_size)
+    model = run_model(spec, vocab_size, n_layers)
     c.write_environment(directory, c.EngineEnvironment(
         platform=platform, device_kind=device_kind, hardware=profile.name, devices=1, local_devices=1,
         processes=1, device_memory_bytes=16 * 2**30 if platform == "tpu" else None,

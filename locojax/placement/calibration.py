@@ -399,13 +399,16 @@ class DeviceConstant:
     floor: float
     at_most: float | None = None  # absolute upper bound
     at_most_start: bool = False  # the profile's own value is the upper bound
-    # A cost per vocabulary entry: fitted only from runs of more than one vocabulary size. At one size it
-    # is a fixed cost per sequence or scored slot in disguise, which the fit trades against the matmul
-    # rate and the other per-slot costs, and which a model of another vocabulary then multiplies by the
-    # ratio of the sizes: on round 2's six runs, all at 384 entries, a fitted training term took 5.9e-10 s
-    # and moved train_mfu / mfu_reference_width from 0.84 / 359 to 0.98 / 256 at the same fit error, a
-    # choice the runs cannot make and 151,936 entries magnify 400x. Otherwise it keeps the profile's value.
-    per_vocab_entry: bool = False
+    # A cost that scales with one model dimension beside the matmuls ("vocab_size": per vocabulary
+    # entry; "n_layers": per decoder layer): fitted only from runs where that dimension takes more than
+    # one value. At one vocabulary size a per-entry cost is a fixed cost per sequence or scored slot in
+    # disguise, which the fit trades against the matmul rate and the other per-slot costs, and which a
+    # model of another vocabulary then multiplies by the ratio of the sizes: on round 2's six runs, all
+    # at 384 entries, a fitted training term took 5.9e-10 s and moved train_mfu / mfu_reference_width
+    # from 0.84 / 359 to 0.98 / 256 at the same fit error, a choice the runs cannot make and 151,936
+    # entries magnify 400x. A per-layer cost at one depth likewise. Otherwise it keeps the profile's value.
+    varies_with: str | None = None
+    start: float | None = None  # where the fit starts when the profile holds 0 (default: the floor)
 
 
 DEVICE_CONSTANTS: dict[str, DeviceConstant] = {
@@ -415,10 +418,14 @@ DEVICE_CONSTANTS: dict[str, DeviceConstant] = {
     "mfu_reference_width": DeviceConstant(floor=1.0),
     "train_step_overhead_s": DeviceConstant(floor=1e-4),
     "decode_layer_overhead_s": DeviceConstant(floor=1e-6),
-    "decode_vocab_overhead_s": DeviceConstant(floor=1e-12, per_vocab_entry=True),
+    "decode_vocab_overhead_s": DeviceConstant(floor=1e-12, varies_with="vocab_size"),
     # The log-softmax over a scored slot's vocabulary in training: like decode's sampling, told apart
     # only by runs at two vocabulary sizes (bench/tpu.sh's placement-runs include the real one).
-    "train_vocab_overhead_s": DeviceConstant(floor=1e-12, per_vocab_entry=True),
+    "train_vocab_overhead_s": DeviceConstant(floor=1e-12, varies_with="vocab_size"),
+    # The elementwise passes over each layer's activations in training: told from the per-token and
+    # matmul costs only by runs of two depths (placement-runs include 12-layer ones). It starts from
+    # ~10 bf16 passes per activation element at the v5e's datasheet bandwidth (2e-11 s).
+    "train_layer_activation_s": DeviceConstant(floor=1e-14, varies_with="n_layers", start=2e-11),
     "hbm_bandwidth": DeviceConstant(floor=1e9, at_most_start=True),
 }
 
@@ -451,11 +458,12 @@ def _fitted_names(hardware: HardwareProfile, observations: Sequence[Observation]
 
 
 def _fitted_device_names(recipe: FitRecipe, observations: Sequence[Observation]) -> list[str]:
-    """The recipe's device constants these runs can tell apart: per-vocabulary-entry costs only where
-    the runs hold more than one vocabulary size (`DeviceConstant.per_vocab_entry`)."""
-    vocab_sizes = {obs.model.vocab_size for obs in observations}
-    return [name for name in recipe.device_constants
-            if len(vocab_sizes) > 1 or not DEVICE_CONSTANTS[name].per_vocab_entry]
+    """The recipe's device constants these runs can tell apart: a cost per vocabulary entry or per
+    layer only where the runs hold more than one vocabulary size or depth (`DeviceConstant.varies_with`)."""
+    def told_apart(constant: DeviceConstant) -> bool:
+        return constant.varies_with is None or len(
+            {getattr(obs.model, constant.varies_with) for obs in observations}) > 1
+    return [name for name in recipe.device_constants if told_apart(DEVICE_CONSTANTS[name])]
 
 
 def _residuals(hardware: HardwareProfile, observations: Sequence[Observation], phases: bool = False) -> list[float]:
@@ -504,7 +512,7 @@ def calibrate(hardware: HardwareProfile, observations: Sequence[Observation],
     upper: dict[str, float] = {}
     for name in _fitted_device_names(recipe, observations):
         constant = DEVICE_CONSTANTS[name]
-        start[name] = max(getattr(hardware, name), constant.floor)
+        start[name] = max(getattr(hardware, name) or (constant.start or 0.0), constant.floor)
         if constant.at_most is not None:
             upper[name] = math.log(constant.at_most / start[name])
         elif constant.at_most_start:

@@ -417,10 +417,13 @@ def train_terms(model: ModelSize, hardware: HardwareProfile, workload: WorkloadP
     # Per scored slot beside its matmuls: a fixed part and a part per vocabulary entry (the log-softmax
     # and entropy over the slot's logits).
     per_scored_s = hardware.train_scored_token_overhead_s + model.vocab_size * hardware.train_vocab_overhead_s
+    # Per token per layer: the elementwise passes over its activations, which grow with the width.
+    tokens_per_chip = workload.samples * workload.seq_len / chips
+    activation_s = tokens_per_chip * model.n_layers * model.d_model * hardware.train_layer_activation_s
     device_s = hardware.device_time_scale * (
         (param_flops + attention_flops / hardware.train_attention_efficiency)
         / (chips * flops * effective_mfu(model, hardware))
-        + (scored_per_chip * per_scored_s + hardware.train_step_overhead_s)
+        + (scored_per_chip * per_scored_s + activation_s + hardware.train_step_overhead_s)
         * cpu_sharing(hardware, busy_hosts))
     return Terms(device_s, _dispatch_host_terms(mode, TRAIN_DISPATCHES, hosts))
 

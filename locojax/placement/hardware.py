@@ -62,7 +62,8 @@ PCIE_BANDWIDTH = 15 * GB
 RATE_FIELDS = ("peak_flops", "train_mfu", "decode_mfu", "prefill_mfu", "train_attention_efficiency",
                "decode_attention_efficiency", "decode_row_overhead_s", "decode_step_overhead_s",
                "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_step_overhead_s",
-               "train_scored_token_overhead_s", "train_vocab_overhead_s")
+               "train_scored_token_overhead_s", "train_vocab_overhead_s",
+               "train_layer_activation_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,14 @@ class HardwareProfile:
     # runs at two vocabulary sizes (one size cannot tell it from the per-slot and matmul costs); the
     # local CPU's probe counts its 384-entry share in `train_scored_token_overhead_s`.
     train_vocab_overhead_s: float = 0.0
+    # Device time per decoder layer per token per unit of width (d_model) of a training step beyond
+    # its matmuls: the memory-bound elementwise passes over every layer's activations (norms, the
+    # residual adds, SiLU x gate, rotary and qk-norm, the softmax over each head's scores), forward,
+    # rematerialised forward and backward. It grows as layers x tokens x width, the matmuls as
+    # layers x tokens x width^2, so a small model's step hides it under per-token costs and a deep one
+    # (Qwen3-0.6B: 28 layers against the small preset's 4) does not. 0 until calibration fits it from
+    # runs of two depths (`DeviceConstant.varies_with`).
+    train_layer_activation_s: float = 0.0
     # Published MFU figures are for models at least this wide (Llama-3.1-8B, d_model 4096). Narrower
     # models are assumed to reach proportionally less (`train_mfu * d_model / mfu_reference_width`):
     # the per-token work that is not a large matmul (norms, activations, softmax, collective
@@ -184,7 +193,7 @@ class HardwareProfile:
                         "controller_round_trip_per_host_s", "reward_cpu_scale", "ray_call_s",
                         "decode_step_overhead_s", "train_step_overhead_s", "decode_row_overhead_s",
                         "decode_layer_overhead_s", "decode_vocab_overhead_s", "train_scored_token_overhead_s",
-                        "train_vocab_overhead_s")
+                        "train_vocab_overhead_s", "train_layer_activation_s")
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")

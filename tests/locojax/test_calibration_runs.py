@@ -136,6 +136,41 @@ def test_vocabulary_costs_are_told_apart_only_by_runs_at_two_vocabulary_sizes(tm
         assert noisy.constants[name] == pytest.approx(getattr(TRUE_V5E_VOCAB, name), rel=0.2)
 
 
+# A v5e whose training also pays per layer per token per unit of width beyond its matmuls (the
+# elementwise passes over each layer's activations), with the vocabulary costs known as above.
+TRUE_V5E_DEPTH = TRUE_V5E_VOCAB.replace(train_layer_activation_s=5e-10)
+
+
+def test_a_per_layer_training_cost_is_told_apart_only_by_runs_of_two_depths(tmp_path):
+    """Four-layer runs alone leave training's per-layer activation cost unfitted (at one depth it is a
+    per-token cost in disguise, which the fit spreads over the matmul rate and the other per-token
+    costs); the same small models at 12 layers recover it, and the 0.6B's phases with it."""
+    def observe(spec, vocab_size=None, n_layers=None):
+        run = write_run_dir(tmp_path / f"{spec['name']}-{vocab_size}-{n_layers}", spec, profile=TRUE_V5E_DEPTH,
+                            vocab_size=vocab_size, n_layers=n_layers)
+        return observation_from_payload(observation_payload(run))
+
+    small_preset = [spec for spec in SMALL_RUNS if spec["model"]["preset"] == "small"]  # 4 layers (tiny: 2)
+    shallow = [observe(spec) for spec in small_preset] + [observe(spec, QWEN3_VOCAB) for spec in REAL_VOCAB_RUNS]
+    deep = [observe(spec, n_layers=12) for spec in small_preset] + [observe(REAL_VOCAB_RUNS[0], QWEN3_VOCAB, 12)]
+    assert {obs.model.n_layers for obs in deep} == {12}  # environment.json carried the depth
+    shipped = HARDWARE.get("tpu-v5e")
+    truth = true_times(BF16, TRUE_V5E_DEPTH)["train_s"]
+    layer_work = truth - true_times(BF16, TRUE_V5E_VOCAB)["train_s"]
+    assert layer_work > 0.1 * truth
+
+    one = calibrate(shipped, shallow)
+    assert "train_layer_activation_s" not in one.constants
+    assert one.profile.train_layer_activation_s == 0
+
+    two = calibrate(shipped, shallow + deep)
+    assert two.constants["train_layer_activation_s"] == pytest.approx(TRUE_V5E_DEPTH.train_layer_activation_s, rel=0.05)
+    for spec in (BF16, F32):
+        fitted, truth = true_times(spec, two.profile), true_times(spec, TRUE_V5E_DEPTH)
+        for phase in ("step_s", "rollout_s", "train_s"):
+            assert fitted[phase] == pytest.approx(truth[phase], rel=0.03)
+
+
 def test_a_fit_leaves_the_catalog_and_the_paper_findings_alone(small_dirs):
     before = HARDWARE.get("tpu-v5e")
     observations = [observation_from_payload(observation_payload(path)) for path in small_dirs]
