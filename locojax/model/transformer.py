@@ -486,8 +486,8 @@ def _run_layers(apply_layer, layers: LayerParams, x, cache: Cache | None, output
     `Transformer.__call__`).
 
     A stacked `layers` runs the layers as one `lax.scan` over its leading axis (XLA compiles one
-    layer body), carrying x and the (stacked) cache; with `output_slots` the scan covers all but the
-    last layer, which runs on its own. A tuple runs them as a Python loop. `remat_policy`
+    layer body), carrying x and the (stacked) cache; with `output_slots` the slots are cut after the
+    scan (the last layer runs on all of them: see the comment below). A tuple runs them as a Python loop. `remat_policy`
     (`REMAT_POLICIES`): each layer is `jax.checkpoint`ed with it."""
     unrolled = isinstance(layers, tuple)
     if remat_policy is not None:
@@ -500,18 +500,19 @@ def _run_layers(apply_layer, layers: LayerParams, x, cache: Cache | None, output
     if cache is not None and not cache.stacked:
         raise ValueError("scanned layers need a stacked cache: build it with init_cache for the same config")
     count = jax.tree.leaves(layers)[0].shape[0]
-    scanned = count - 1 if output_slots is not None else count
-    body_layers, last_layer = _split_layers(layers, [scanned, 1]) if scanned < count else (layers, None)
-    if scanned:
 
-        def body(carry, layer_and_params):
-            layer, params = layer_and_params
-            return apply_layer(params, *carry, layer, None), None
+    def body(carry, layer_and_params):
+        layer, params = layer_and_params
+        return apply_layer(params, *carry, layer, None), None
 
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (jnp.arange(scanned), body_layers))
-    if last_layer is not None:
-        params = jax.tree.map(lambda p: p.reshape(p.shape[1:]), last_layer)
-        x, cache = apply_layer(params, x, cache, count - 1, output_slots)
+    # Every layer, the last included, runs in the scan over the stacked weights as they are: cutting
+    # the last one off (`_split_layers`) made XLA materialise the other layers' weights as a second
+    # copy, a temporary the size of the model (Qwen3-4B: 7 GiB, so LoRA did not fit one v5e at any
+    # rows), and the gradient its concatenation. The last layer then computes all T slots and the
+    # output slots are cut after it: 1/n_layers of the body's work on the slots not scored.
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (jnp.arange(count), layers))
+    if output_slots is not None:
+        x = x[:, output_slots[0]:output_slots[1]]
     return x, cache
 
 

@@ -277,6 +277,40 @@ def test_building_a_model_lets_each_layers_copy_go_once_its_weight_is_stacked():
             np.testing.assert_array_equal(value, np.asarray(stacked_value)[index])
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_scanned_forward_with_output_slots_keeps_no_second_copy_of_the_weights(lora):
+    """Training scores the completion's slots only (`output_slots`). Cutting the last layer off the
+    stacked weights to run it on those slots alone made XLA copy the other layers' weights into a
+    temporary the size of the model, and its gradient a concatenation as large (Qwen3-4B with LoRA
+    then did not fit one 16 GiB v5e at any rows). The compiled train step's temporaries stay well
+    below the weights' size (float32: XLA:CPU converts bfloat16 weights to float32 for its dots,
+    which would hide the copy in the conversion; TPUs do not)."""
+    from locojax.model.config import LoRAConfig
+    from locojax.model.transformer import split_adapters
+
+    config = get_preset("small").replace(d_model=512, d_ff=1536, n_layers=4, n_heads=8, n_kv_heads=4,
+                                         scan_layers=True, dtype="float32", param_dtype="float32")
+    if lora:
+        config = config.replace(lora=LoRAConfig(rank=8, alpha=16, targets=("q", "k", "v", "o", "gate", "up", "down")))
+    abstract = nnx.eval_shape(lambda: create_model(config))
+    graphdef, params = nnx.split(abstract)
+    weight_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params["layers"]))
+    batch, length = 4, 48
+    tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
+
+    def loss(trained, frozen, tokens, mask):
+        merged = nnx.merge_state(frozen, trained) if lora else trained
+        positions = positions_from_mask(mask)
+        logits = forward(graphdef, merged, tokens, positions, mask, output_slots=(16, length), remat="full")[0]
+        return logits.mean()
+
+    trained, frozen = (split_adapters(params)[::-1] if lora else (params, nnx.State({})))
+    compiled = jax.jit(jax.grad(loss)).lower(trained, frozen, tokens, mask).compile()
+    temporaries = compiled.memory_analysis().temp_size_in_bytes
+    assert temporaries < 0.6 * weight_bytes, (temporaries / 2**20, weight_bytes / 2**20)
+
+
 def test_remat_policies_are_the_ones_the_spec_and_the_memory_plan_know():
     """A policy added to the model must be planned for and accepted by the spec (and the other way round)."""
     from typing import get_args
