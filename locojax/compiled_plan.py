@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from locojax.placement.memory import MemoryPlan, MeshShape, device_capacity
+from locojax.placement.memory import MemoryPlan, MemoryPlanError, MeshShape, device_capacity
 
 
 def _device_bytes(tree: Any) -> float:
@@ -50,7 +50,32 @@ def _compile_all(programs: dict[str, tuple[Callable, tuple]]) -> dict[str, Any]:
     lowered = {name: jitted.lower(*arguments) for name, (jitted, arguments) in programs.items()}
     with ThreadPoolExecutor(max_workers=len(lowered), thread_name_prefix="locojax-compile") as pool:
         compiled = {name: pool.submit(lowering.compile) for name, lowering in lowered.items()}
-        return {name: future.result().memory_analysis() for name, future in compiled.items()}
+        analyses = {}
+        for name, future in compiled.items():
+            try:
+                analyses[name] = future.result().memory_analysis()
+            except Exception as error:  # XLA's own refusal: the program cannot fit the device at all
+                if "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                raise MemoryPlanError(program_too_large(name, error)) from error
+        return analyses
+
+
+def program_too_large(name: str, error: Exception) -> str:
+    """A refusal for a program XLA would not compile because its buffers exceed the device (XLA:TPU
+    checks its temporaries against HBM at compile time), naming the program and XLA's figure."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"the run does not fit: XLA cannot compile the {name} program for this device, its "
+            f"{PROGRAM_TERMS.get(name, name)} exceed the device's memory ({detail}). What would fit: fewer "
+            f"rollout.prompts_per_step or group_size (or algo.micro_batch_size), shorter "
+            f"rollout.max_prompt_tokens or max_new_tokens, model.remat: full, model.dtype: bfloat16, or "
+            f"placement.fsdp over more devices per host.")
+
+
+# What each compiled program holds beyond the persistent state, as a refusal names it.
+PROGRAM_TERMS = {"train": "train step's temporaries (activations, gradients, logit chunks)",
+                 "rollout": "rollout's temporaries (KV cache, sampling logits)",
+                 "reference": "KL reference pass's temporaries"}
 
 
 def _transient(analysis, argument_bytes: float) -> dict[str, float]:

@@ -227,6 +227,39 @@ def test_the_compiled_plan_refuses_before_any_parameter_exists_naming_the_term(t
     assert "memory plan per device" in capsys.readouterr().err
 
 
+def test_a_program_xla_will_not_compile_for_its_size_is_a_refusal_naming_it():
+    """XLA:TPU checks a program's temporaries against HBM when it compiles (Qwen3-4B LoRA at 16 rows:
+    "RESOURCE_EXHAUSTED: ... HLO temporaries (16.33G) exceeds available HBM (15.75G)"), before any
+    memory analysis exists: that is the plan's refusal, naming the program, XLA's figure and what would
+    fit, not a crash. Other compile errors pass through. (The failing compile stands in for XLA:TPU,
+    which XLA:CPU cannot be made to reproduce; the real programs compile beside it.)"""
+    from locojax import compiled_plan as plan_module
+
+    class TooLarge:  # a jitted program as _compile_all uses one: lower(*args).compile()
+        def __init__(self, message):
+            self.message = message
+
+        def lower(self, *arguments):
+            return self
+
+        def compile(self):
+            raise RuntimeError(self.message)
+
+    small = jax.jit(lambda x: x * 2)
+    argument = jax.ShapeDtypeStruct((4,), jnp.float32)
+    hbm = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(16.33G) exceeds available HBM (15.75G).\nmore detail")
+    with pytest.raises(MemoryPlanError) as refused:
+        plan_module._compile_all({"rollout": (small, (argument,)), "train": (TooLarge(hbm), (argument,))})
+    message = str(refused.value)
+    assert message.startswith("the run does not fit: XLA cannot compile the train program")
+    assert "train step's temporaries" in message and "(16.33G) exceeds available HBM (15.75G)" in message
+    assert "more detail" not in message and "rollout.prompts_per_step" in message
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+        plan_module._compile_all({"train": (TooLarge("INVALID_ARGUMENT: bad shapes"), (argument,))})
+    assert set(plan_module._compile_all({"rollout": (small, (argument,))})) == {"rollout"}
+
+
 def _params(dtype="float32"):
     from locojax.model import create_model
 
