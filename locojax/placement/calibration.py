@@ -510,19 +510,26 @@ def calibrate(hardware: HardwareProfile, observations: Sequence[Observation],
     current = constant_values(hardware)
     start = {name: max(current[name], _FLOOR.get(name, 1e-9)) for name in _fitted_names(hardware, observations)}
     upper: dict[str, float] = {}
+    ceiling: dict[str, float] = {}  # the values themselves, which the log-scale bound meets only to rounding
     for name in _fitted_device_names(recipe, observations):
         constant = DEVICE_CONSTANTS[name]
         start[name] = max(getattr(hardware, name) or (constant.start or 0.0), constant.floor)
         if constant.at_most is not None:
             upper[name] = math.log(constant.at_most / start[name])
+            ceiling[name] = constant.at_most
         elif constant.at_most_start:
             upper[name] = 0.0
+            ceiling[name] = start[name]
     if recipe.fit_device_scale:
         start["device_time_scale"] = hardware.device_time_scale
     names = list(start)
 
+    def values_at(log_multipliers: np.ndarray) -> dict[str, float]:
+        return {name: min(start[name] * math.exp(x), ceiling.get(name, math.inf))
+                for name, x in zip(names, log_multipliers)}
+
     def profile(log_multipliers: np.ndarray) -> HardwareProfile:
-        values = {name: start[name] * math.exp(x) for name, x in zip(names, log_multipliers)}
+        values = values_at(log_multipliers)
         scale = values.pop("device_time_scale", hardware.device_time_scale)
         return with_constants(hardware, values).replace(device_time_scale=scale)
 
@@ -535,7 +542,7 @@ def calibrate(hardware: HardwareProfile, observations: Sequence[Observation],
     high = np.array([max(upper.get(name, 25.0), 1e-9) for name in names])
     fit = least_squares(objective, np.zeros(len(names)), bounds=(low, high))
     fitted = profile(fit.x)
-    constants = {name: start[name] * math.exp(x) for name, x in zip(names, fit.x)}
+    constants = values_at(fit.x)
     return CalibrationResult(profile=fitted, constants=constants, before=before,
                              after=fit_error(fitted, observations), observations=len(observations))
 

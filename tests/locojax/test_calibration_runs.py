@@ -171,6 +171,17 @@ def test_a_per_layer_training_cost_is_told_apart_only_by_runs_of_two_depths(tmp_
             assert fitted[phase] == pytest.approx(truth[phase], rel=0.03)
 
 
+def test_a_constant_fitted_to_its_bound_stays_a_valid_profile(tmp_path):
+    """Runs faster than an MFU of 1 allows (here: a chip 1.5x the datasheet's FLOP/s) push train_mfu to
+    its bound; the log-scale fit meets that bound only to rounding (1.0000000000323 once), which the
+    profile refuses. The fitted value is the bound itself."""
+    fast = TRUE_V5E.replace(peak_flops=1.5 * TRUE_V5E.peak_flops, train_mfu=1.0, mfu_reference_width=None)
+    observations = [observation_from_payload(observation_payload(
+        write_run_dir(tmp_path / spec["name"], spec, profile=fast))) for spec in SMALL_RUNS]
+    result = calibrate(HARDWARE.get("tpu-v5e").replace(train_mfu=1.0, mfu_reference_width=None), observations)
+    assert result.constants["train_mfu"] == result.profile.train_mfu == 1.0
+
+
 def test_a_fit_leaves_the_catalog_and_the_paper_findings_alone(small_dirs):
     before = HARDWARE.get("tpu-v5e")
     observations = [observation_from_payload(observation_payload(path)) for path in small_dirs]
