@@ -31,6 +31,7 @@ from locojax.modes.common import (
     DispatchedRollout,
     RolloutRunner,
     TrainerSession,
+    open_devices,
     params_checksum,
     prepare_trainer,
     prompts_for,
@@ -52,12 +53,14 @@ class COSession(TrainerSession):
     """This process's share of a CO run; every process of the job builds one."""
 
     def __init__(self, spec: RunSpec, *, resume: bool = False):
+        devices, backend_s = open_devices()
         num_hosts, host = jax.process_count(), jax.process_index()
         if spec.rollout.prompts_per_step % num_hosts:
             raise ValueError(f"rollout.prompts_per_step ({spec.rollout.prompts_per_step}) is not divisible by the "
                              f"{num_hosts} hosts of this job")
-        super().__init__(spec, prepare_trainer(spec, jax.devices(), checkpoint_dir(spec), resume,
+        super().__init__(spec, prepare_trainer(spec, devices, checkpoint_dir(spec), resume,
                                                rollout_devices=jax.local_devices()))
+        self.trainer.setup_phases[m.TIME_SETUP_BACKEND] = backend_s
         self.host, self.num_hosts = host, num_hosts
         prompts_per_host = spec.rollout.prompts_per_step // num_hosts
         self.rows_per_host = prompts_per_host * spec.rollout.group_size

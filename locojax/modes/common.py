@@ -122,6 +122,15 @@ def rollout_rows(prompt_tokens: jax.Array, prompt_mask: jax.Array, result: Rollo
 REWARD_THREADS = 4  # reward functions run on the host CPU, in this many threads per scoring process
 
 
+def open_devices(local_only: bool = False) -> tuple[list[jax.Device], float]:
+    """The devices a session trains on (this process's alone with `local_only`) and the seconds the
+    call took: the first call in a process starts the backend (a TPU's runtime opens the chip), the
+    part of time/setup reported as time/setup_backend."""
+    started = time.perf_counter()
+    devices = jax.local_devices() if local_only else jax.devices()
+    return list(devices), time.perf_counter() - started
+
+
 def reward_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The threads a mode's scoring process runs reward functions in (`score_and_normalise`'s pool)."""
     return concurrent.futures.ThreadPoolExecutor(max_workers=REWARD_THREADS, thread_name_prefix="reward")
@@ -259,7 +268,7 @@ class Trainer:
     reference_params: nnx.State | None = None
     # The spec's eval block's held-out examples, none of whose prompts `task` ever yields.
     held_out: tuple[Example, ...] = ()
-    # Parts of the setup's wall time (contract's time/setup_compile, time/setup_model), for step 0's record.
+    # Parts of the setup's wall time (contract's SETUP_PARTS), for step 0's record.
     setup_phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def global_batch(self, host_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:

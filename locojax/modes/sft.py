@@ -26,7 +26,7 @@ from flax import nnx
 
 from locojax import metrics as m
 from locojax.contract import ADAPTER_DIR, EXPORT_DIR, EngineStatus, HostStatus
-from locojax.modes.common import TrainerSession, prepare_trainer
+from locojax.modes.common import TrainerSession, open_devices, prepare_trainer
 from locojax.rollout import encode_prompts
 from locojax.runner import StepOutput, checkpoint_dir, output_dir, run
 from locojax.spec import RunSpec
@@ -71,10 +71,12 @@ class SFTSession(TrainerSession):
     def __init__(self, spec: RunSpec, *, resume: bool = False):
         if spec.kind != "sft":
             raise ValueError(f"run_sft needs a spec with kind 'sft', got {spec.kind!r}")
+        devices, backend_s = open_devices(local_only=True)
         if jax.process_count() != 1:
             raise ValueError("an SFT run is single-host (placement.hosts 1); start it with `locojax train` or "
                              "`locojax host` without --num-processes")
-        super().__init__(spec, prepare_trainer(spec, jax.local_devices(), checkpoint_dir(spec), resume))
+        super().__init__(spec, prepare_trainer(spec, devices, checkpoint_dir(spec), resume))
+        self.trainer.setup_phases[m.TIME_SETUP_BACKEND] = backend_s
 
     def step(self, step: int, timer: m.PhaseTimer, where: HostStatus) -> StepOutput:
         spec, trainer = self.spec, self.trainer
