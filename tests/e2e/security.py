@@ -71,8 +71,18 @@ def _tokens(stack: Stack, http: httpx.Client, label: str) -> dict[str, str]:
     made["revoked"] = revoked["token"]
     expired = create(["admin"], expires_in_s=1)
     made["expired"] = expired["token"]
-    time.sleep(1.5)
+    # Until the server refuses it: expiry is the server's clock, not a sleep of ours.
+    _wait_for(lambda: http.get("/api/v1/whoami", headers={"Authorization": f"Bearer {made['expired']}"})
+              .status_code == 401, 10.0, "a token created with expires_in_s=1 was still accepted after 10 s")
     return made
+
+
+def _wait_for(condition, timeout_s: float, failure: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(failure)
+        time.sleep(0.1)
 
 
 def auth_matrix(stack: Stack) -> dict[str, Any]:
@@ -182,7 +192,10 @@ def secrets_stay_secret(stack: Stack) -> dict[str, Any]:
                      http.get("/api/v1/whoami", headers={"Authorization": f"Bearer {made['submit']}"}).text,
                      http.get("/api/v1/runs", headers={"Authorization": "Bearer " + known["guessed"]}).text,
                      http.get("/metrics", headers=admin).text]
-    time.sleep(1.0)  # let the processes' logs reach their files
+        # The API logs each request as it answers it: this last one's line means every earlier line is in.
+        marker = f"/api/v1/whoami?log-marker={secrets.token_hex(4)}"
+        http.get(marker)
+    _wait_for(lambda: marker in stack.logs(), 10.0, f"the API never logged its request for {marker}")
     logs = stack.logs()
     stored = json.dumps([list(map(str, row)) for row in stack.sql("SELECT * FROM api_tokens")])
     in_logs = _secrets_found(logs, known)
