@@ -36,6 +36,10 @@
 #                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
 #                fit, 2 rounds; not in the default list
 #   lora-4b      ~8 min (9 min): the same at Qwen3-4B, 1 round; not in the default list
+#   full-ft      ~5 min (9 min): bench/full_ft.py (issue 40): full fine-tuning (bfloat16, remat full, LoRA's 96 + 256
+#                tokens, 64 rows) of the larger of qwen3-1.7b and -0.6b the memory plan lets run, tried largest
+#                first; each refusal and the run that fits (its peak against the plan) -> part_full-ft.json; not in
+#                the default list
 #   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT): also lora_tpu.json
 # Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
 # `install` (with `tests`) first. Nothing is pip-installed after the install stage.
@@ -45,8 +49,8 @@
 # not hold the size-c-rows part, e.g. an OUTDIR emptied between commands); TARGETS (/tmp/locojax-tpu);
 # WORK (/tmp/locojax-tpu/work: the 0.6B inputs, which size c builds once per machine); COMMAND_S (below);
 # LOCOJAX_BENCH_COMMIT (the commit measured: set it where the checkout is a copy, its .git may be stale);
-# SCALE_ARGS, GRPO_ARGS, C_ARGS, LORA_ARGS (extra arguments of bench/scale.py, of every grpo stage, of size c's,
-#   of the lora stages';
+# SCALE_ARGS, GRPO_ARGS, C_ARGS, LORA_ARGS, FULL_FT_ARGS (extra arguments of bench/scale.py, of every grpo stage,
+#   of size c's, of the lora stages', of bench/full_ft.py;
 #   a dry run here: PLATFORM=cpu SCALE_ARGS="--model-preset tiny" C_ARGS="--model-preset small --max-prompts 2").
 set -u
 out=${1:?usage: bash bench/tpu.sh OUTDIR [STAGE ...]}
@@ -252,8 +256,11 @@ for name in $stages; do
     # shellcheck disable=SC2086
     lora-4b) stage lora-4b 540 grpo lora-4b lora --model-preset qwen3-4b --rows search --max-prompts 8 --rounds 1 \
       --work "$work" ${LORA_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    full-ft) stage full-ft 540 "$py" bench/full_ft.py --platform "$platform" --work "$work/full-ft" \
+      --out "$out/part_full-ft.json" ${FULL_FT_ARGS:-} ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth lora-1.7b lora-4b merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth lora-1.7b lora-4b full-ft merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"

@@ -14,7 +14,8 @@ bench/results/tpu_parts/ and merges them, on any machine (no JAX needed):
     summarised by bench/grpo_step.py's own `summarise`;
   * scale_tpu.json: the `scale` part (bench/scale.py's 0.6B bf16 rounds), completed by the `limits`
     part's machine limits (bench/scale.py `apply_limits`) and the `tests` part's `tpu_tests`;
-  * lora_tpu.json: the `lora-*` parts (bench/grpo_step.py --size lora, one model each; `merge_lora`).
+  * lora_tpu.json: the `lora-*` parts (bench/grpo_step.py --size lora, one model each; `merge_lora`), and
+    the `full-ft` part (bench/full_ft.py: the largest preset a full-weight run fits) under `full_ft`.
 Both list their parts (`parts`: file, stage, commit, date) and say `mixed_commits: true` when the parts
 measured different sources.
 """
@@ -191,7 +192,8 @@ def merge_lora(parts: list[dict]) -> dict | None:
     from bench.scale import model_config
 
     lora = [part for part in parts if part.get("benchmark") == "grpo_step" and part.get("size") == "lora"]
-    if not lora:
+    full = [part for part in parts if part.get("benchmark") == "full_ft"]  # bench/full_ft.py, the newest
+    if not (lora or full):
         return None
     limits = [part for part in parts if part.get("benchmark") == "scale_limits"]
     peak = limits[-1]["limits"]["matmul_peak_gflop_s"] * 1e9 if limits else None
@@ -234,12 +236,17 @@ def merge_lora(parts: list[dict]) -> dict | None:
                 figures["throughput_ratio_at_largest_rows"] = (
                     (rows / figures["step_s"]) / (peer_rows / merged["peer_step_s"]))
         models[preset] = {**figures, "detail": merged}
-    used = lora + limits[-1:]
+    used = lora + limits[-1:] + full[-1:]
     record, mixed = parts_record(used)
     platform, device_kind = _platform(used)
+    full_ft = None
+    if full:  # the largest preset a full-weight run fits, by the plan, and that run's peak against its plan
+        part = full[-1]
+        full_ft = {key: part.get(key) for key in ("largest_preset_that_fits", "workload", "attempts", "run")}
+        full_ft["peak_device_vs_plan"] = (part.get("run") or {}).get("peak_device_vs_plan")
     return {"benchmark": "lora_tpu", "platform": platform, "device_kind": device_kind,
             "commit": merged_commit(record), "parts": record, "mixed_commits": mixed, "models": models,
-            "matmul_peak_flops": peak,
+            "full_ft": full_ft, "matmul_peak_flops": peak,
             "method": "bench/grpo_step.py --size lora per model (LoRA rank 16 on every linear layer, bfloat16, "
                       "96 prompt + 256 new tokens, 64 rows or the largest that fit); each model's figures at our "
                       "largest rows; ratio_vs_peer at the rows both fit; train_vs_matmul_peak on LoRA's model "

@@ -194,3 +194,51 @@ def test_scale_model_presets_change_a_presets_width_and_vocabulary_by_name():
     assert model_config("small") == PRESETS["small"]
     with pytest.raises(SystemExit, match="got 'rope_theta=5'"):
         model_config("small@rope_theta=5")
+
+
+def test_full_ft_tells_the_engines_refusals_from_failures_and_the_merge_carries_its_answer(tmp_path):
+    """bench/full_ft.py moves to a smaller preset only on the engine's own refusal (the analytic plan's,
+    the compiled plan's, XLA's at compile time), whose wording it matches; lora_tpu.json gets its answer
+    under `full_ft`, the fitting run's peak against its plan beside it."""
+    from bench.full_ft import refusal_line
+    from bench.tpu_merge import load_parts, merge_lora
+    from locojax.compiled_plan import program_too_large
+    from locojax.model import get_preset
+    from locojax.placement.memory import plan_memory, refusal
+
+    plan = plan_memory(get_preset("qwen3-1.7b"), rows_per_host=64, prompt_len=96, new_len=256, dtype="bfloat16",
+                       remat="full", capacity_bytes=16 * 2**30, capacity_name="TPU v5 lite memory")
+    assert not plan.fits
+    for message in (refusal(plan), program_too_large("train", RuntimeError("RESOURCE_EXHAUSTED: 21.26G"))):
+        output = f"Traceback ...\nRuntimeError: locojax train failed (status 2):\nfull: refused: {message}\n"
+        assert refusal_line(output).startswith("full: refused: the run does not fit")
+    assert refusal_line("Traceback ...\nJaxRuntimeError: INTERNAL: something else\n") is None
+
+    part = {"benchmark": "full_ft", "stage": "full-ft", "commit": "abc", "date_utc": "2026-12-06T10:00:00Z",
+            "platform": "tpu", "device_kind": "TPU v5 lite", "workload": {"rows": 64},
+            "attempts": [{"preset": "qwen3-1.7b", "status": "refused by the memory plan", "refusal": "..."},
+                         {"preset": "qwen3-0.6b", "status": "ran"}],
+            "largest_preset_that_fits": "qwen3-0.6b", "run": {"steps_completed": 4, "peak_device_vs_plan": 0.95}}
+    (tmp_path / "part_full-ft.json").write_text(json.dumps(part))
+    merged = merge_lora(load_parts(tmp_path))
+    assert merged["models"] == {} and merged["platform"] == "tpu"
+    assert merged["full_ft"]["largest_preset_that_fits"] == "qwen3-0.6b"
+    assert merged["full_ft"]["peak_device_vs_plan"] == 0.95 and len(merged["full_ft"]["attempts"]) == 2
+
+
+@pytest.mark.slow
+def test_full_ft_runs_the_first_preset_the_plan_lets_run(tmp_path):
+    """A CPU dry run of bench/tpu.sh's full-ft stage on the tiny preset: one attempt, run, in the part."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "part_full-ft.json"
+    done = subprocess.run([sys.executable, "bench/full_ft.py", "--presets", "tiny", "--prompts", "2", "--group", "2",
+                           "--prompt-tokens", "16", "--new-tokens", "8", "--steps", "3", "--work", str(tmp_path / "w"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    part = json.loads(out.read_text())
+    assert part["benchmark"] == "full_ft" and part["largest_preset_that_fits"] == "tiny"
+    assert [a["status"] for a in part["attempts"]] == ["ran"]
+    assert part["run"]["steps_completed"] == 3 and part["run"]["planned_gib"] > 0
+    assert part["workload"]["rows"] == 4 and part["commit"]
