@@ -20,7 +20,8 @@ Sizes (`--size`; the work of each is a function of the size alone, `SIZES`):
     prompt + 128 new tokens, group 4, at the largest rows both sides fit. `--rows search` finds them:
     our side tries the prompt counts of `C_PROMPTS` its own memory plan accepts
     (locojax/placement/memory.py), largest first, in one process, until one runs; the peer tries those
-    bench/scale.py's `peer_memory_estimate` puts within the chip, one process each, until one runs;
+    bench/scale.py's `peer_memory_estimate` puts within the chip, one process each, until one runs
+    (`--peer-at-our-rows`: our largest rows first, so where the peer cannot run them its own error says why);
     then the side whose largest is larger runs again at the other's. Each attempt's outcome (and a
     failure's own error line) is in `rows_search`. `--rows N` or `--rows-from PART` runs rounds at
     known rows (a later stage of the same refresh).
@@ -631,6 +632,11 @@ def search_rows(orchestrator: Orchestrator, work: Workload, args) -> dict:
                     else args.peer_capacity_gib) * 1024**3
     fitting, estimates = peer_candidates(work, capacity, min(args.max_prompts, args.peer_max_prompts))
     peer_attempts, peer_rows = [], None
+    ours_prompts = record["locojax"]["largest_rows"] // work.group if record["locojax"]["largest_rows"] else None
+    if args.peer_at_our_rows and ours_prompts and ours_prompts not in fitting[:1]:
+        # The peer at our largest rows first, whatever its estimate says: where it cannot run them, its
+        # own error says why (the estimate is ours, not the peer's).
+        fitting = [ours_prompts] + [p for p in fitting if p < ours_prompts]
     for prompts in fitting:
         out = orchestrator.run("tunix", work.with_prompts(prompts), None)
         if out is None:
@@ -788,6 +794,9 @@ def main() -> None:
                         help="size c: the rows both fit, from the part of an earlier --rows search")
     parser.add_argument("--max-prompts", type=int, default=max(C_PROMPTS), help="size c search: at most this many prompts")
     parser.add_argument("--peer-max-prompts", type=int, default=max(C_PROMPTS), help=argparse.SUPPRESS)
+    parser.add_argument("--peer-at-our-rows", action="store_true",
+                        help="rows search: the peer first tries our largest rows even where its memory estimate "
+                             "says they will not fit, so a failure there is recorded with the peer's own error")
     parser.add_argument("--peer-capacity-gib", type=float, default=15.75,
                         help="size c search: device memory the peer's estimate is held against when our side "
                              "could not report it (default: a TPU v5e's 15.75 GiB)")

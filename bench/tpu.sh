@@ -34,7 +34,8 @@
 #                12 layers instead of 4, so per-layer costs are told from per-token ones (not in the default list)
 #   lora-1.7b    ~8 min (9 min): bench/grpo_step.py --size lora (issue 40): LoRA rank 16 on every linear layer
 #                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
-#                fit, 2 rounds; not in the default list
+#                fit, 2 rounds; not in the default list (LORA_ARGS="--peer-at-our-rows --rounds 1": the peer first
+#                tries our largest rows, for its own error there, which costs it one failed run)
 #   lora-4b      ~8 min (9 min): the same at Qwen3-4B, 1 round; not in the default list
 #   full-ft      ~5 min (9 min): bench/full_ft.py (issue 40): full fine-tuning (bfloat16, remat full, LoRA's 96 + 256
 #                tokens, 64 rows) of the larger of qwen3-1.7b and -0.6b the memory plan lets run, tried largest

@@ -242,3 +242,49 @@ def test_full_ft_runs_the_first_preset_the_plan_lets_run(tmp_path):
     assert [a["status"] for a in part["attempts"]] == ["ran"]
     assert part["run"]["steps_completed"] == 3 and part["run"]["planned_gib"] > 0
     assert part["workload"]["rows"] == 4 and part["commit"]
+
+
+class _SidesByRows:
+    """Stands in for bench/grpo_step.py's Orchestrator (which starts each side as a subprocess on the
+    chip): each side runs the rows it can hold and fails above them with an error of its own; what is
+    under test is which rows the search asks each side for, in what order, and what it records."""
+
+    def __init__(self, holds):
+        self.holds, self.runs, self.asked = holds, [], []
+
+    def run(self, side, work, round_index, candidates=None):
+        if candidates:  # our side's own search, in one process: the largest candidate it holds
+            rows = max(p * work.group for p in candidates if p * work.group <= self.holds[side])
+            out = {"ok": True, "rows": rows, "attempts": []}
+        else:
+            rows = work.rows
+            ok = rows <= self.holds[side]
+            out = {"ok": ok, "rows": rows, "wall_s": 1.0,
+                   "error": None if ok else f"RESOURCE_EXHAUSTED: {side} at {rows} rows"}
+        self.asked.append((side, rows))
+        self.runs.append({"side": side, "rows": rows, "round": round_index})
+        return out
+
+
+@pytest.mark.parametrize("at_our_rows", [False, True])
+def test_lora_rows_search_can_ask_the_peer_for_our_rows_to_record_its_own_error(at_our_rows):
+    """With --peer-at-our-rows the peer first tries the rows we ran (64), where its estimate says no, and
+    its failure there is recorded in its own words; then the rows its estimate accepts. Without, only
+    those. Either way the rows both fit are the peer's largest, and our side runs there too."""
+    from bench import grpo_step
+
+    work = grpo_step.SIZES["lora"]  # Qwen3-1.7B: the peer's estimate accepts 16 rows of one v5e, not 24
+    args = SimpleNamespace(max_prompts=8, peer_max_prompts=8, platform="tpu", peer_capacity_gib=15.75,
+                           peer_at_our_rows=at_our_rows)
+    fitting, _ = grpo_step.peer_candidates(work, 15.75 * 2**30, 8)
+    assert fitting[0] * work.group == 16
+    sides = _SidesByRows({"locojax": 64, "tunix": 16})
+    record = grpo_step.search_rows(sides, work, args)
+
+    assert [rows for side, rows in sides.asked if side == "tunix"] == ([64, 16] if at_our_rows else [16])
+    attempts = record["peer"]["attempts"]
+    assert [a["status"] for a in attempts] == (["failed", "ran"] if at_our_rows else ["ran"])
+    if at_our_rows:
+        assert attempts[0]["rows"] == 64 and attempts[0]["error"] == "RESOURCE_EXHAUSTED: tunix at 64 rows"
+    assert record["peer"]["largest_rows"] == 16 and record["rows_both_fit"] == 16
+    assert ("locojax", 16) in sides.asked  # our side again at the rows both fit
