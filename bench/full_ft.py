@@ -27,9 +27,6 @@ sys.path.insert(0, str(ROOT))
 # Largest first. Not Qwen3-4B: its bfloat16 weights and their gradients alone are 16 GB, a whole v5e, before
 # any optimizer state, and building its random checkpoint would take a minute of the stage for a certain no.
 DEFAULT_PRESETS = ("qwen3-1.7b", "qwen3-0.6b")
-# What the engine prints when its plan refuses a run (locojax.placement.memory.refusal and
-# locojax.compiled_plan.program_too_large), as `locojax train` reports it.
-REFUSAL = "the run does not fit"
 RUN_KEYS = ("model", "steps_completed", "step_s", "step_s_rounds", "rollout_tokens_per_s", "planned_gib",
             "plan_line", "peak_device_gib", "peak_device_vs_plan", "first_step_s_cold", "setup_parts_s", "batch",
             "wall_s")
@@ -46,8 +43,10 @@ def scale_command(args: argparse.Namespace, preset: str, out: Path, work: Path) 
 
 def refusal_line(text: str) -> str | None:
     """The engine's refusal in a failed run's output, if that is why it failed."""
+    from locojax.placement.memory import DOES_NOT_FIT
+
     for line in text.splitlines():
-        if REFUSAL in line:
+        if DOES_NOT_FIT in line:
             return line.strip()[:1500]
     return None
 

@@ -218,8 +218,7 @@ placement_runs() {  # FIRST_RUN_NUMBER TARBALL CONFIG...
   return $failed
 }
 
-export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES \
-  PLACEMENT_CONFIGS
+export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES
 export -f install install_into grpo placement_runs
 scale_batch="--prompts 16 --group 8 --prompt-tokens 64 --new-tokens 128 --dtype bfloat16 --remat ${SCALE_REMAT:-full}"
 

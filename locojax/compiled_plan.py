@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from locojax.placement.memory import MemoryPlan, MemoryPlanError, MeshShape, device_capacity
+from locojax.placement.memory import DOES_NOT_FIT, MemoryPlan, MemoryPlanError, MeshShape, device_capacity
 
 
 def _device_bytes(tree: Any) -> float:
@@ -65,7 +65,7 @@ def program_too_large(name: str, error: Exception) -> str:
     """A refusal for a program XLA would not compile because its buffers exceed the device (XLA:TPU
     checks its temporaries against HBM at compile time), naming the program and XLA's figure."""
     detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (f"the run does not fit: XLA cannot compile the {name} program for this device, its "
+    return (f"{DOES_NOT_FIT}: XLA cannot compile the {name} program for this device, its "
             f"{PROGRAM_TERMS.get(name, name)} exceed the device's memory ({detail}). What would fit: fewer "
             f"rollout.prompts_per_step or group_size (or algo.micro_batch_size), shorter "
             f"rollout.max_prompt_tokens or max_new_tokens, model.remat: full, model.dtype: bfloat16, or "

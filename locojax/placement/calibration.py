@@ -492,7 +492,8 @@ def calibrate(hardware: HardwareProfile, observations: Sequence[Observation],
     its choice): for the local CPU, how fast the devices ran relative to the probe's rates
     (`device_time_scale`: a probe times kernels in isolation, minutes or hours away from the runs, and
     this machine's speed drifts by tens of % over that); for accelerators, the device constants (those
-    per vocabulary entry only where the runs hold two vocabulary sizes: `_fitted_device_names`).
+    per vocabulary entry or per layer only where the runs hold two vocabulary sizes or depths:
+    `_fitted_device_names`).
 
     One nonlinear least squares over the log of each value's multiplier, on every run's step, host and
     network error (`_residuals`), with a weak pull towards the current values. The counts themselves

@@ -89,6 +89,11 @@ class MemoryPlanError(ValueError):
     """A run whose plan does not fit the device; the message names the term and what would fit."""
 
 
+# How every refusal of a run by its memory plan begins (`refusal`, `locojax.compiled_plan`'s XLA
+# refusal), which tools reading `locojax train`'s output look for (bench/full_ft.py).
+DOES_NOT_FIT = "the run does not fit"
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
     """The per-host training mesh: data x fsdp x tensor devices (RunSpec placement.fsdp/tensor)."""
@@ -279,7 +284,7 @@ def refusal(plan: MemoryPlan) -> str:
     if plan.dtype == "float32":
         hints.append("model.dtype: bfloat16 (halves every parameter-sized term)")
     hints.append("fewer rollout.prompts_per_step or group_size, or algo.micro_batch_size")
-    return (f"the run does not fit: {plan.summary()}. The plan needs {plan.peak_bytes / GiB:.2f} GiB per device "
+    return (f"{DOES_NOT_FIT}: {plan.summary()}. The plan needs {plan.peak_bytes / GiB:.2f} GiB per device "
             f"but {usable / GiB:.2f} GiB of {plan.capacity_name} is usable; the largest term is {term} "
             f"({size / GiB:.2f} GiB). What would fit: " + "; ".join(hints) + ".")
 
