@@ -32,6 +32,11 @@
 #                (bench/placement_tpu.py predict); not in the default list
 #   placement-depth ~4 min (9 min): three more (placement_run7..9, in OUTDIR/placement_depth_runs.tar.gz):
 #                12 layers instead of 4, so per-layer costs are told from per-token ones (not in the default list)
+#   placement-width ~5 min (9 min): four more (placement_run10..13, in OUTDIR/placement_width_runs.tar.gz):
+#                the small preset widened to 768 with Qwen3's head shape (head_dim 128, two query heads per KV
+#                head) and vocabulary, 4 and 12 layers, bf16 and f32: a width between the small runs' 512 and
+#                Qwen3-0.6B's 1024, so the fit meets large vocabularies and long layers where weights and
+#                cache, not launches, set the decode (not in the default list)
 #   lora-1.7b    ~8 min (9 min): bench/grpo_step.py --size lora (issue 40): LoRA rank 16 on every linear layer
 #                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
 #                fit, 2 rounds; not in the default list (LORA_ARGS="--peer-at-our-rows --rounds 1": the peer first
@@ -198,6 +203,12 @@ PLACEMENT_CONFIGS=${PLACEMENT_CONFIGS:-"bfloat16:full:16:8:64:128 float32:full:4
 # left training's matmul rate at an MFU of 0.98 and under-predicted the 0.6B. A stage of its own
 # (placement-depth), its files numbered after placement-runs' (placement_run7..9).
 PLACEMENT_DEPTH_CONFIGS=${PLACEMENT_DEPTH_CONFIGS:-"bfloat16:full:16:8:64:128:small@n_layers=12 bfloat16:full:16:8:64:128:small@$PLACEMENT_WIDE,n_layers=12,vocab_size=151936 float32:full:4:4:96:128:small@$PLACEMENT_WIDE,n_layers=12"}
+# Width: round 3's runs (widths 256 and 512, head_dim 64) left decode priced by per-layer launches and
+# the train MFU at 0.92, and missed the 0.6B by 20-26% both ways; these bring the calibration's weights
+# and KV cache per token closer to the 0.6B's (a model still a third of its size, out of sample in width
+# and depth), numbered after placement-depth's (placement_run10..13).
+PLACEMENT_MID=d_model=768,d_ff=2304,n_heads=8,n_kv_heads=4,head_dim=128,vocab_size=151936
+PLACEMENT_WIDTH_CONFIGS=${PLACEMENT_WIDTH_CONFIGS:-"bfloat16:full:16:8:64:128:small@$PLACEMENT_MID,n_layers=12 float32:full:4:4:96:128:small@$PLACEMENT_MID,n_layers=12 bfloat16:full:16:8:64:128:small@$PLACEMENT_MID float32:full:4:4:96:128:small@$PLACEMENT_MID"}
 placement_runs() {  # FIRST_RUN_NUMBER TARBALL CONFIG...
   local k=$(($1 - 1)) tarball=$2 failed=0 config
   shift 2
@@ -251,6 +262,8 @@ for name in $stages; do
     # shellcheck disable=SC2086
     placement-depth) stage placement-depth 540 placement_runs 7 placement_depth_runs.tar.gz $PLACEMENT_DEPTH_CONFIGS ;;
     # shellcheck disable=SC2086
+    placement-width) stage placement-width 540 placement_runs 10 placement_width_runs.tar.gz $PLACEMENT_WIDTH_CONFIGS ;;
+    # shellcheck disable=SC2086
     lora-1.7b) stage lora-1.7b 540 grpo lora-1.7b lora --rows search --max-prompts 8 --rounds 2 --work "$work" \
       ${LORA_ARGS:-} ;;
     # shellcheck disable=SC2086
@@ -260,7 +273,7 @@ for name in $stages; do
     full-ft) stage full-ft 540 "$py" bench/full_ft.py --platform "$platform" --work "$work/full-ft" \
       --out "$out/part_full-ft.json" ${FULL_FT_ARGS:-} ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth lora-1.7b lora-4b full-ft merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth placement-width lora-1.7b lora-4b full-ft merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"
