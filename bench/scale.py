@@ -1147,7 +1147,12 @@ def load_recorded_run(args, flag: str) -> dict:
 
 
 def source_commit() -> str:
-    """The checkout's commit, with "+changes" when the engine or the bench differ from it."""
+    """The checkout's commit, with "+changes" when the engine or the bench differ from it; where
+    LOCOJAX_BENCH_COMMIT is set (bench/tpu.sh on a machine given a copy of the checkout, whose .git
+    may be older than its files), that commit."""
+    if os.environ.get("LOCOJAX_BENCH_COMMIT"):
+        return os.environ["LOCOJAX_BENCH_COMMIT"][:7]
+
     def git(*command):
         return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = git("rev-parse", "--short", "HEAD") or "unknown"

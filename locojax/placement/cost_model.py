@@ -12,7 +12,8 @@ Modelling choices, each a plain physical statement:
     the fewest that hold the weights in at most half the memory left after any colocated training
     state; sequences beyond the KV capacity decode in further waves. Decode runs to the generation
     cap; a step costs max(FLOPs / peak, (weights + KV read) / HBM bandwidth) (FACTS.md, "Formulas"),
-    plus two tensor-parallel all-reduces per layer. How much KV a step reads depends on the engine
+    plus two tensor-parallel all-reduces per layer; the weights count at the width the chip's matmuls
+    read them (`HardwareProfile.decode_weight_bytes_per_value`: bf16 on TPUs, float32 weights included). How much KV a step reads depends on the engine
     (`HardwareProfile.decode_attention`: ragged paged attention, or dense static shapes).
   * Training costs the profile's FLOPs per parameter-token (10 N on accelerators: rematerialised
     update plus a log-prob pass; 6 N for the local engine) plus attention, at the profile's MFU
@@ -296,7 +297,8 @@ def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     flops, bandwidth = chip_rates(hardware, busy_chips)
     context = decode_context(hardware, workload)
     param_flops, attention_flops = decode_step_flops(model, batch, context)
-    step_bytes = weight_bytes + batch * model.kv_values_per_token * bytes_per_value * context
+    step_bytes = (decode_weight_bytes(model, hardware)
+                  + batch * model.kv_values_per_token * bytes_per_value * context)
     compute_s = (param_flops + attention_flops / hardware.decode_attention_efficiency) / (
         tensor_parallel * flops * hardware.decode_mfu)
     memory_s = step_bytes / (tensor_parallel * bandwidth)
@@ -305,6 +307,15 @@ def rollout_shape(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     step_s = ((memory_s if memory_bound else compute_s)
               + decode_step_fixed_s(model, hardware, batch) * cpu_sharing(hardware, busy_hosts))
     return RolloutShape(tensor_parallel, replicas, batch, waves, step_s, memory_bound)
+
+
+def decode_weight_bytes(model: ModelSize, hardware: HardwareProfile) -> float:
+    """Weight bytes one decode step (or the prefill) reads: at the stored width, or narrower where the
+    chip's matmuls take the loop-invariant weights converted (`decode_weight_bytes_per_value`)."""
+    width = hardware.bytes_per_value
+    if hardware.decode_weight_bytes_per_value is not None:
+        width = min(width, hardware.decode_weight_bytes_per_value)
+    return model.params * width
 
 
 def decode_step_fixed_s(model: ModelSize, hardware: HardwareProfile, batch: float) -> float:
@@ -388,7 +399,7 @@ def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     prefill_mfu = effective_mfu(model, hardware) if hardware.prefill_mfu is None else hardware.prefill_mfu
     prefill_compute_s = (param_flops + attention_flops / hardware.train_attention_efficiency) / (tp * flops * prefill_mfu)
     if not hardware.rates_include_memory:
-        prefill_compute_s = max(prefill_compute_s, weight_bytes / (tp * bandwidth))
+        prefill_compute_s = max(prefill_compute_s, decode_weight_bytes(model, hardware) / (tp * bandwidth))
     # Prefill also samples the first token; decode then runs gen_len - 1 steps for the rest.
     prefill_s = prefill_compute_s + decode_step_fixed_s(model, hardware, batch) * cpu_sharing(hardware, busy_hosts)
     device_s = hardware.device_time_scale * shape.waves * (prefill_s + (workload.gen_len - 1) * shape.decode_step_s)

@@ -88,6 +88,13 @@ class HardwareProfile:
     dcn_latency_s: float = DCN_LATENCY_S
     pcie_bandwidth: float = PCIE_BANDWIDTH  # chip <-> host memory, bytes/s per chip
     bytes_per_value: int = 2  # rollout weights and KV cache in bf16 (float32 on local-cpu)
+    # Bytes per weight a decode step reads when the weights are stored wider than this: None, the
+    # stored width. TPUs multiply float32 at JAX's default precision in one bfloat16 pass, and weights
+    # that stay fixed over the whole decode loop reach the matrix unit converted once, not read at four
+    # bytes per step: on a v5e the float32 calibration runs decode faster than reading their float32
+    # weights once a step at the chip's datasheet bandwidth could (bench/results/placement_tpu.json,
+    # round 4). The KV cache, written every step, is read at the stored width.
+    decode_weight_bytes_per_value: int | None = None
     # Training FLOPs per parameter per token. Accelerators: full rematerialisation (8 N, FACTS.md
     # "training FLOPs") plus a pass recomputing the behaviour policy's log-probs (2 N).
     train_flops_per_param_token: float = 10.0
@@ -197,6 +204,9 @@ class HardwareProfile:
         for field in non_negative:
             if getattr(self, field) < 0:
                 raise ValueError(f"HardwareProfile.{field} must not be negative, got {getattr(self, field)}")
+        if self.decode_weight_bytes_per_value is not None and self.decode_weight_bytes_per_value < 1:
+            raise ValueError("HardwareProfile.decode_weight_bytes_per_value must be positive or None, "
+                             f"got {self.decode_weight_bytes_per_value}")
         if self.machine_cores is not None and self.machine_cores < 1:
             raise ValueError(f"HardwareProfile.machine_cores must be at least 1, got {self.machine_cores}")
         if self.prefill_mfu is not None and not 0 < self.prefill_mfu <= 1:
@@ -326,6 +336,7 @@ _add(HardwareProfile(
     jax_device_kinds=("tpu v5 lite", "tpu v5e", "tpu v5litepod"),
     peak_flops=197e12, hbm_bytes=16 * GB, hbm_bandwidth=819 * GB, ici_bandwidth=400 * GB,
     ici_domain_chips=256, dcn_bandwidth_per_chip=2 * 100 * Gbps / 8, chips_per_host=8, train_mfu=0.45,
+    decode_weight_bytes_per_value=2,
     sources={"accelerator": "Cloud TPU docs, v5e page (FACTS.md)",
              "dcn_bandwidth_per_chip": "2x100 Gbps NIC per 8-chip host (FACTS.md)",
              "train_mfu": "assumed equal to MaxText v6e Llama-3.1-8B, 45% (FACTS.md); no published v5e figure",

@@ -109,6 +109,34 @@ def test_small_model_decode_is_memory_bound_and_large_model_needs_tensor_paralle
     assert step("co", 64, "gsm8k", model="llama-3.1-405b").rollout_tensor_parallel > 1
 
 
+def test_decode_reads_weights_at_the_matmul_width_and_the_cache_at_the_stored_one():
+    # A float32 run on a chip whose decode takes its loop-invariant weights as bf16: the step reads
+    # the weights at 2 bytes a value and the KV cache at 4 (the v5e's float32 calibration runs decode
+    # faster than 4-byte weights a step could stream).
+    from locojax.placement.cost_model import decode_context, rollout_shape
+
+    model = ModelSize.from_config(PRESETS[SMALL_MODEL])
+    workload = WORKLOADS.get("gsm8k")
+    float32 = HARDWARE.get("tpu-v5e").replace(bytes_per_value=4, decode_attention="dense")
+    assert float32.decode_weight_bytes_per_value == 2
+    stored = float32.replace(decode_weight_bytes_per_value=None)
+
+    def decode_s(hardware):
+        return rollout_shape(model, hardware, workload, 1, None, 1).decode_step_s
+
+    shape = rollout_shape(model, float32, workload, 1, None, 1)
+    assert shape.memory_bound
+    cache_bytes = shape.batch_per_replica * model.kv_values_per_token * 4 * decode_context(float32, workload)
+    assert decode_s(float32) == pytest.approx((2 * model.params + cache_bytes) / float32.hbm_bandwidth)
+    assert decode_s(stored) - decode_s(float32) == pytest.approx(2 * model.params / float32.hbm_bandwidth)
+    # bf16 weights are read at their own width either way; a wider matmul width never adds bytes.
+    bf16 = float32.replace(bytes_per_value=2)
+    assert decode_s(bf16) == pytest.approx(decode_s(bf16.replace(decode_weight_bytes_per_value=None)))
+    assert decode_s(bf16) == pytest.approx(decode_s(bf16.replace(decode_weight_bytes_per_value=4)))
+    with pytest.raises(ValueError, match="decode_weight_bytes_per_value"):
+        float32.replace(decode_weight_bytes_per_value=0)
+
+
 def test_model_that_does_not_fit_is_infeasible():
     with pytest.raises(InfeasiblePlacement, match="does not fit"):
         step("co", 8, "gsm8k", model="llama-3.1-405b")
