@@ -340,6 +340,8 @@ _add(HardwareProfile(
     sources={"accelerator": "Cloud TPU docs, v5e page (FACTS.md)",
              "dcn_bandwidth_per_chip": "2x100 Gbps NIC per 8-chip host (FACTS.md)",
              "train_mfu": "assumed equal to MaxText v6e Llama-3.1-8B, 45% (FACTS.md); no published v5e figure",
+             "decode_weight_bytes_per_value": "bench/results/tpu_parts/placement_round4/placement_run11.json "
+                                              "(float32 decode faster than its 4-byte weights could stream)",
              "host": "Pathways 2203.12533 sec. 5.1 fit; native dispatch, decode granularity: assumptions"},
 ))
 _add(HardwareProfile(
