@@ -13,8 +13,9 @@ Modelling choices, each a plain physical statement:
     state; sequences beyond the KV capacity decode in further waves. Decode runs to the generation
     cap; a step costs max(FLOPs / peak, (weights + KV read) / HBM bandwidth) (FACTS.md, "Formulas"),
     plus two tensor-parallel all-reduces per layer; the weights count at the width the chip's matmuls
-    read them (`HardwareProfile.decode_weight_bytes_per_value`: bf16 on TPUs, float32 weights included). How much KV a step reads depends on the engine
-    (`HardwareProfile.decode_attention`: ragged paged attention, or dense static shapes).
+    read them (`HardwareProfile.decode_weight_bytes_per_value`: bf16 on TPUs, float32 weights
+    included). How much KV a step reads depends on the engine (`HardwareProfile.decode_attention`:
+    ragged paged attention, or dense static shapes).
   * Training costs the profile's FLOPs per parameter-token (10 N on accelerators: rematerialised
     update plus a log-prob pass; 6 N for the local engine) plus attention, at the profile's MFU
     (scaled down for narrow models), and per scored slot the elementwise log-softmax over its
@@ -392,7 +393,6 @@ def rollout_terms(model: ModelSize, hardware: HardwareProfile, workload: Workloa
     """`busy_hosts`: host processes working at once on the machine (on a shared one they share its cores)."""
     shape = rollout_shape(model, hardware, workload, chips, colocated_train_chips, busy_chips, busy_hosts)
     flops, bandwidth = chip_rates(hardware, busy_chips)
-    weight_bytes = model.params * hardware.bytes_per_value
     tp = shape.tensor_parallel
     batch = shape.batch_per_replica
     param_flops, attention_flops = prefill_flops(model, batch, workload.prompt_len, prefill_context(hardware, workload))

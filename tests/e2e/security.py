@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import time
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 
 from tests.e2e.bad_input import _spec
-from tests.e2e.helpers import tiny_spec, wait_final
+from tests.e2e.helpers import tiny_spec, wait_final, wait_until
 from tests.e2e.infra import Stack
 from tests.e2e.outcome import outcome
 from tests.server.test_auth import ADMIN_READS, MUTATING, PUBLIC, VALID_BODIES, WRONG_SCOPES
@@ -72,17 +71,9 @@ def _tokens(stack: Stack, http: httpx.Client, label: str) -> dict[str, str]:
     expired = create(["admin"], expires_in_s=1)
     made["expired"] = expired["token"]
     # Until the server refuses it: expiry is the server's clock, not a sleep of ours.
-    _wait_for(lambda: http.get("/api/v1/whoami", headers={"Authorization": f"Bearer {made['expired']}"})
-              .status_code == 401, 10.0, "a token created with expires_in_s=1 was still accepted after 10 s")
+    wait_until(lambda: http.get("/api/v1/whoami", headers={"Authorization": f"Bearer {made['expired']}"})
+               .status_code == 401, 10.0, "the server to refuse a token created with expires_in_s=1", poll_s=0.1)
     return made
-
-
-def _wait_for(condition, timeout_s: float, failure: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(failure)
-        time.sleep(0.1)
 
 
 def auth_matrix(stack: Stack) -> dict[str, Any]:
@@ -195,7 +186,7 @@ def secrets_stay_secret(stack: Stack) -> dict[str, Any]:
         # The API logs each request as it answers it: this last one's line means every earlier line is in.
         marker = f"/api/v1/whoami?log-marker={secrets.token_hex(4)}"
         http.get(marker)
-    _wait_for(lambda: marker in stack.logs(), 10.0, f"the API never logged its request for {marker}")
+    wait_until(lambda: marker in stack.logs(), 10.0, f"the API to log its request for {marker}", poll_s=0.1)
     logs = stack.logs()
     stored = json.dumps([list(map(str, row)) for row in stack.sql("SELECT * FROM api_tokens")])
     in_logs = _secrets_found(logs, known)
