@@ -497,7 +497,7 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
     from locojax.model.config import param_count
     from locojax.model.hf import load_hf_checkpoint
     from locojax.placement.probe import measure_matmul_flops
-    from locojax.rollout import SamplingConfig, make_prefill_and_decode_fns
+    from locojax.rollout import SamplingConfig, default_decode_segments, make_prefill_and_decode_fns
     from locojax.spec import RolloutSpec
     from locojax.tokenizer import load_tokenizer
     from locojax.train import split_params
@@ -532,12 +532,13 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
         return {"weight_read_floor_s": step_bytes(rows) / bandwidth,
                 "matmul_floor_s": 2 * param_count(config) * rows / matmul}
 
-    def decode_samples(rows: int, repeats: int) -> list[dict]:
-        """`repeats` timings of the decode loop of `rows` sequences, each between two bandwidth reads."""
+    def decode_samples(rows: int, repeats: int, segments: int | None = None) -> list[dict]:
+        """`repeats` timings of the decode loop of `rows` sequences, each between two bandwidth reads.
+        `segments`: the engine's decode loops (`locojax.rollout.decode_segments`; None: its default)."""
         tokens = np.random.default_rng(0).integers(10, 1000, (rows, args.prompt_tokens)).astype(np.int32)
         mask = np.ones((rows, args.prompt_tokens), bool)
         prefill, decode = make_prefill_and_decode_fns(config, graphdef, sampling, args.prompt_tokens, rows,
-                                                      tuple(jax.local_devices()))
+                                                      tuple(jax.local_devices()), segments=segments)
         jax.block_until_ready(decode(params, prefill(params, tokens, mask, jax.random.key(0))))  # compiles both
         samples = []
         for repeat in range(repeats):
@@ -571,8 +572,12 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
                 "bound_by": "weights" if bounds["weight_read_floor_s"] >= bounds["matmul_floor_s"] else "matmuls",
                 "decode_vs_attainable": max(bounds.values()) / step_s}
 
+    segments = default_decode_segments(args.new_tokens, jax.devices()[0].platform)
     samples = decode_samples(batch, repeats)
     main = summary(batch, samples)
+    # The same loop as one loop over the whole cache (the engine before decode segments), where the
+    # engine runs more than one: what reading only the filled slots is worth, in the same process.
+    one_loop = summary(batch, decode_samples(batch, 3, segments=1)) if segments > 1 else None
     # Fewer rows than the rollout's: below the ridge (where the matmul floor falls under the weight
     # read), the step is bound by reading the weights whatever the core count; at the rollout's rows
     # a CPU with few cores can be bound by its matmuls instead, where the roofline above is not the limit.
@@ -599,6 +604,9 @@ def measure_limits(paths, args, repeats: int = 5) -> dict:
             "attainable_note": ("decode_vs_attainable = the larger of the step's two floors (weight_read_floor_s, "
                                 "matmul_floor_s) / the measured step: the full roofline, min(matmul peak, "
                                 "bandwidth x intensity); decode_vs_roofline is its bandwidth half alone"),
+            "decode_segments": segments,
+            "decode_one_loop": None if one_loop is None else {
+                k: one_loop[k] for k in ("decode_step_s", "decode_vs_roofline", "decode_vs_roofline_sample_range")},
             "decode_samples": samples, "decode_by_rows": by_rows, "decode_breakdown": breakdown,
             "params": param_count(config),
             "config": {k: getattr(config, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",

@@ -271,13 +271,47 @@ def _prefill(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, c
 _token_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))
 
 
-def _decode(graphdef, params, state: DecodeState, *, prompt_len: int, sampling: SamplingConfig) -> DecodeState:
-    """One token per iteration from `_prefill`'s state until every row has emitted EOS or N tokens exist."""
+def decode_segments(prompt_len: int, max_new_tokens: int, segments: int) -> list[tuple[int, int]]:
+    """(last step, cache window) of each of `segments` decode loops that share the decode's steps.
+
+    Step i (1 <= i < N) writes slot P + i - 1 and attends to slots [0, P + i), so a loop whose steps
+    end at step e reads a window of P + e slots instead of the cache's P + N - 1: over N new tokens
+    split in k equal loops, attention reads P + N (k + 1) / 2k slots a step on average instead of
+    P + N. Fewer segments than asked where the decode has fewer steps."""
+    if segments < 1:
+        raise ValueError(f"decode segments must be >= 1, got {segments}")
+    steps = max_new_tokens - 1
+    slots = prompt_len + steps
+    ends = sorted({math.ceil(steps * (k + 1) / segments) for k in range(segments)} - {0}) or [0]
+    return [(end, slots if end == steps else prompt_len + end) for end in ends]
+
+
+# Decode segments per platform (the default of `make_generate_fn`): on an accelerator the attention
+# products stream the cache at the memory's bandwidth, so every empty slot read is time; each
+# segment is one more decode loop to compile (`decode_segments`). XLA:CPU keeps one loop: it unrolls
+# the layers, so each loop is a whole model to compile, and the CPU's runs (tests, the demo) compile
+# many small rollouts for short decodes.
+DECODE_SEGMENTS: dict[str, int] = {"cpu": 1}
+DEFAULT_DECODE_SEGMENTS = 4
+MIN_SEGMENT_STEPS = 32  # fewer steps a loop save too few slot reads to be worth one more loop
+
+
+def default_decode_segments(max_new_tokens: int, platform: str | None = None) -> int:
+    """How many decode loops a rollout of `max_new_tokens` runs on `platform` (default: JAX's backend)."""
+    wanted = DECODE_SEGMENTS.get(platform or jax.default_backend(), DEFAULT_DECODE_SEGMENTS)
+    return max(1, min(wanted, (max_new_tokens - 1) // MIN_SEGMENT_STEPS))
+
+
+def _decode(graphdef, params, state: DecodeState, *, prompt_len: int, sampling: SamplingConfig,
+            segments: int = 1) -> DecodeState:
+    """One token per iteration from `_prefill`'s state until every row has emitted EOS or N tokens exist.
+
+    The steps run as `segments` loops one after the other (`decode_segments`), each reading only the
+    cache slots its steps can have filled; a loop whose rows are all done exits at once, and so do the
+    ones after it. Same tokens and log-probs as one loop over the whole cache: the slots a segment
+    leaves out are masked out of every softmax anyway."""
     batch, n = state.tokens.shape
     eos = -1 if sampling.eos_id is None else sampling.eos_id
-
-    def keep_going(state: DecodeState) -> jax.Array:
-        return (state.step < n) & ~jnp.all(state.done)
 
     # Sliced out of the stacked parameters once, not per token: XLA does not hoist the slices out of
     # the loop, and on XLA:CPU each is a copy of the layer's weights.
@@ -304,7 +338,14 @@ def _decode(graphdef, params, state: DecodeState, *, prompt_len: int, sampling: 
             key=state.key,
         )
 
-    return jax.lax.while_loop(keep_going, decode_one, state)
+    full_window = state.cache.window
+    for last_step, window in decode_segments(prompt_len, n, segments):
+        def keep_going(state: DecodeState, last_step=last_step) -> jax.Array:
+            return (state.step <= last_step) & (state.step < n) & ~jnp.all(state.done)
+
+        state = state.replace(cache=state.cache.windowed(window))
+        state = jax.lax.while_loop(keep_going, decode_one, state)
+    return state.replace(cache=state.cache.windowed(full_window))
 
 
 def _result(state: DecodeState, sampling: SamplingConfig) -> RolloutResult:
@@ -314,10 +355,11 @@ def _result(state: DecodeState, sampling: SamplingConfig) -> RolloutResult:
 
 
 def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, config: ModelConfig,
-              sampling: SamplingConfig, batch_sharding: NamedSharding) -> RolloutResult:
+              sampling: SamplingConfig, batch_sharding: NamedSharding, segments: int) -> RolloutResult:
     state = _prefill(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, config=config,
                      sampling=sampling, batch_sharding=batch_sharding)
-    state = _decode(graphdef, params, state, prompt_len=prompt_tokens.shape[1], sampling=sampling)
+    state = _decode(graphdef, params, state, prompt_len=prompt_tokens.shape[1], sampling=sampling,
+                    segments=segments)
     return _result(state, sampling)
 
 
@@ -338,16 +380,21 @@ def _rollout_shardings(config: ModelConfig, sampling: SamplingConfig, prompt_len
 
 @functools.lru_cache(maxsize=32)
 def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: SamplingConfig, prompt_len: int,
-                     batch: int, devices: tuple[jax.Device, ...] | None = None) -> GenerateFn:
+                     batch: int, devices: tuple[jax.Device, ...] | None = None,
+                     segments: int | None = None) -> GenerateFn:
     """`generate(params, prompt_tokens [B, P], prompt_mask [B, P], key, row_offset=0) -> RolloutResult`, jitted.
 
+    `segments`: decode loops, each reading only the cache slots its steps can have filled
+    (`decode_segments`; default `default_decode_segments` for the devices' platform).
     Cached per arguments, so asking again for the same shapes returns the same compiled function.
     The batch is sharded over `rollout_mesh(batch, devices)`; params are replicated on it (numpy
     or uncommitted inputs are moved there by jit; params committed elsewhere must be placed with
     `jax.device_put(params, NamedSharding(mesh, PartitionSpec()))` first).
     """
     batch_sharding, replicated = _rollout_shardings(config, sampling, prompt_len, batch, devices)
-    body = functools.partial(_generate, graphdef, config=config, sampling=sampling, batch_sharding=batch_sharding)
+    segments = _segments_for(segments, sampling, batch_sharding)
+    body = functools.partial(_generate, graphdef, config=config, sampling=sampling, batch_sharding=batch_sharding,
+                             segments=segments)
     jitted = jax.jit(body, in_shardings=(replicated, batch_sharding, batch_sharding, replicated, replicated),
                      out_shardings=batch_sharding)
 
@@ -359,12 +406,22 @@ def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: Samp
         return jitted(params, prompt_tokens, prompt_mask, key, np.int32(row_offset))
 
     # For compiling ahead of time from abstract arguments (locojax.compiled_plan): the program the calls run.
-    generate.jitted, generate.batch_sharding = jitted, batch_sharding
+    generate.jitted, generate.batch_sharding, generate.segments = jitted, batch_sharding, segments
     return generate
 
 
+def _segments_for(segments: int | None, sampling: SamplingConfig, batch_sharding: NamedSharding) -> int:
+    if segments is None:
+        platform = next(iter(batch_sharding.mesh.devices.flat)).platform
+        return default_decode_segments(sampling.max_new_tokens, platform)
+    if segments < 1:
+        raise ValueError(f"decode segments must be >= 1, got {segments}")
+    return segments
+
+
 def make_prefill_and_decode_fns(config: ModelConfig, graphdef: nnx.GraphDef, sampling: SamplingConfig,
-                                prompt_len: int, batch: int, devices: tuple[jax.Device, ...] | None = None):
+                                prompt_len: int, batch: int, devices: tuple[jax.Device, ...] | None = None,
+                                segments: int | None = None):
     """The two halves of `make_generate_fn`'s function, jitted apart, so the decode loop can be timed
     without the prefill (bench/scale.py; the difference of two whole generate calls was dominated by
     the prefill's noise on a shared CPU):
@@ -378,8 +435,9 @@ def make_prefill_and_decode_fns(config: ModelConfig, graphdef: nnx.GraphDef, sam
     prefill_jitted = jax.jit(functools.partial(_prefill, graphdef, config=config, sampling=sampling,
                                                batch_sharding=batch_sharding),
                              in_shardings=(replicated, batch_sharding, batch_sharding, replicated, replicated))
-    decode = jax.jit(functools.partial(_decode, graphdef, prompt_len=prompt_len, sampling=sampling),
-                     donate_argnums=1)
+    segments = _segments_for(segments, sampling, batch_sharding)
+    decode = jax.jit(functools.partial(_decode, graphdef, prompt_len=prompt_len, sampling=sampling,
+                                       segments=segments), donate_argnums=1)
 
     def prefill(params, prompt_tokens, prompt_mask, key, row_offset: int = 0) -> DecodeState:
         prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), batch_sharding)

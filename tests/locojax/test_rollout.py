@@ -15,6 +15,8 @@ from locojax.model import create_model, forward, get_preset, positions_from_mask
 from locojax.rollout import (
     SamplingConfig,
     decode_completions,
+    decode_segments,
+    default_decode_segments,
     encode_prompts,
     make_generate_fn,
     make_prefill_and_decode_fns,
@@ -201,6 +203,45 @@ def test_scanned_layers_sample_what_the_unrolled_ones_do():
         default = rollout(temperature, None)
         np.testing.assert_array_equal(other.tokens, default.tokens)
         np.testing.assert_allclose(other.logprobs, default.logprobs, atol=1e-5)
+
+
+def test_decode_segments_cover_every_step_and_read_only_the_slots_it_can_have_filled():
+    for prompt_len, new_tokens, segments in [(16, 12, 3), (64, 128, 4), (5, 2, 4), (8, 1, 2), (3, 7, 1)]:
+        plan = decode_segments(prompt_len, new_tokens, segments)
+        steps, slots = new_tokens - 1, prompt_len + new_tokens - 1
+        ends = [end for end, _ in plan]
+        assert ends == sorted(set(ends)) and ends[-1] == steps and len(plan) <= segments
+        previous = 0
+        for end, window in plan:
+            # every step of this loop (previous+1..end) writes slot P + step - 1 inside the window
+            assert window == (slots if end == steps else prompt_len + end) and window <= slots
+            assert all(prompt_len + step - 1 < window for step in range(previous + 1, end + 1))
+            previous = end
+    assert decode_segments(64, 128, 4) == [(32, 96), (64, 128), (96, 160), (127, 191)]
+    with pytest.raises(ValueError, match="segments"):
+        decode_segments(4, 4, 0)
+    assert default_decode_segments(128, "cpu") == 1  # the CPU compiles one loop
+    assert [default_decode_segments(n, "tpu") for n in (2, 64, 128, 256)] == [1, 1, 3, 4]
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_segmented_decode_samples_what_one_loop_does(eos):
+    """Decode loops that each read only the slots their steps can have filled sample the tokens and
+    log-probs of one loop over the whole cache: with EOS off, and on with rows stopping in different
+    segments (a segment whose rows are all done exits at once)."""
+    graphdef, params = model()
+    eos_id = int(rollout(1.0, None, seed=3).tokens[0, 5]) if eos else None
+    one_loop = rollout(1.0, eos_id, seed=3)
+    if eos:
+        assert one_loop.lengths.min() <= 6 and (one_loop.lengths < NEW_TOKENS).any()
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, eos_id=eos_id, pad_id=TOKENIZER.pad_id)
+    generate = make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, len(PROMPTS), segments=3)
+    assert generate.segments == 3 and len(decode_segments(PROMPT_LEN, NEW_TOKENS, 3)) == 3
+    tokens, mask = prompts()
+    segmented = jax.device_get(generate(params, tokens, mask, rollout_key(3, 0, 0)))
+    np.testing.assert_array_equal(segmented.tokens, one_loop.tokens)
+    np.testing.assert_array_equal(segmented.lengths, one_loop.lengths)
+    np.testing.assert_allclose(segmented.logprobs, one_loop.logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
