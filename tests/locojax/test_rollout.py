@@ -224,18 +224,23 @@ def test_decode_segments_cover_every_step_and_read_only_the_slots_it_can_have_fi
     assert [default_decode_segments(n, "tpu") for n in (2, 64, 128, 256)] == [1, 1, 3, 4]
 
 
-@pytest.mark.parametrize("eos", [False, True])
-def test_segmented_decode_samples_what_one_loop_does(eos):
+@pytest.mark.parametrize("eos, other_layer_form", [(False, False), (True, True)])
+def test_segmented_decode_samples_what_one_loop_does(eos, other_layer_form):
     """Decode loops that each read only the slots their steps can have filled sample the tokens and
     log-probs of one loop over the whole cache: with EOS off, and on with rows stopping in different
-    segments (a segment whose rows are all done exits at once)."""
-    graphdef, params = model()
+    segments (a segment whose rows are all done exits at once); with the backend's layer form
+    (unrolled on CPU) and the other one (a stacked cache, whose window is one dynamic slice)."""
+    config, graphdef = CONFIG, model()[0]
+    params = model()[1]
+    if other_layer_form:
+        config = CONFIG.replace(scan_layers=not CONFIG.scans_layers(jax.default_backend()))
+        graphdef = nnx.split(create_model(config, seed=0))[0]
     eos_id = int(rollout(1.0, None, seed=3).tokens[0, 5]) if eos else None
     one_loop = rollout(1.0, eos_id, seed=3)
     if eos:
         assert one_loop.lengths.min() <= 6 and (one_loop.lengths < NEW_TOKENS).any()
     sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, eos_id=eos_id, pad_id=TOKENIZER.pad_id)
-    generate = make_generate_fn(CONFIG, graphdef, sampling, PROMPT_LEN, len(PROMPTS), segments=3)
+    generate = make_generate_fn(config, graphdef, sampling, PROMPT_LEN, len(PROMPTS), segments=3)
     assert generate.segments == 3 and len(decode_segments(PROMPT_LEN, NEW_TOKENS, 3)) == 3
     tokens, mask = prompts()
     segmented = jax.device_get(generate(params, tokens, mask, rollout_key(3, 0, 0)))
