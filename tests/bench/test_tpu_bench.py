@@ -288,3 +288,15 @@ def test_lora_rows_search_can_ask_the_peer_for_our_rows_to_record_its_own_error(
         assert attempts[0]["rows"] == 64 and attempts[0]["error"] == "RESOURCE_EXHAUSTED: tunix at 64 rows"
     assert record["peer"]["largest_rows"] == 16 and record["rows_both_fit"] == 16
     assert ("locojax", 16) in sides.asked  # our side again at the rows both fit
+
+
+def test_first_step_counts_compilation_and_step_zero_not_opening_the_chip_or_building_the_model():
+    """scale_tpu.json's first_step_s_* start where issue 37's clock does: the chip open and the model built."""
+    from bench.scale import loop_first_step_s
+
+    parts = {"time/setup_backend": 7.0, "time/setup_compile": 25.5, "time/setup_model": 11.5}
+    figures = {"first_step_s": 44.0 + 2.5, "setup_parts_s": parts}
+    assert loop_first_step_s(figures) == pytest.approx(25.5 + 2.5)
+    # An engine that did not name its setup's parts cannot be read on this clock.
+    assert loop_first_step_s({"first_step_s": 46.5, "setup_parts_s": {"time/setup_compile": 25.5}}) is None
+    assert loop_first_step_s({"first_step_s": None, "setup_parts_s": parts}) is None
