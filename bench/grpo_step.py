@@ -112,6 +112,7 @@ class Workload:
     hf_weights: bool = True  # with scale_inputs: start from its random-weight HF directory, else from the preset
     lora_rank: int = 0  # > 0: LoRA on every linear layer (ours: model.lora; Tunix: qwix), alpha = lora_alpha
     lora_alpha: float = 0.0
+    scan_layers: str = "auto"  # ours only: model.scan_layers ("auto", "true", "false")
 
     @property
     def rows(self) -> int:
@@ -148,6 +149,10 @@ def _scale_bench():
     return scale
 
 
+def _scan_layers(work: Workload) -> str | bool:
+    return {"true": True, "false": False}.get(work.scan_layers, work.scan_layers)
+
+
 def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs: dict | None = None):
     from locojax.spec import AlgoSpec, CheckpointSpec, ModelSpec, OptimSpec, RolloutSpec, RunSpec, TaskSpec
 
@@ -160,10 +165,11 @@ def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs:
                              "remat": work.remat}
         if work.lora_rank:
             spec["model"]["lora"] = {"rank": work.lora_rank, "alpha": work.lora_alpha, "targets": LORA_TARGETS}
+        spec["model"]["scan_layers"] = _scan_layers(work)
         return RunSpec.model_validate(spec)
     return RunSpec(
         name=f"bench-grpo-step-{work.size}", seed=SEED,
-        model=ModelSpec(preset=work.preset, dtype=work.dtype, remat=work.remat),
+        model=ModelSpec(preset=work.preset, dtype=work.dtype, remat=work.remat, scan_layers=_scan_layers(work)),
         task=TaskSpec(name="arith", difficulty=1),
         rollout=RolloutSpec(prompts_per_step=work.prompts, group_size=work.group, max_prompt_tokens=work.prompt_slots,
                             max_new_tokens=work.new_tokens, temperature=1.0, top_p=1.0, top_k=0),
@@ -442,7 +448,7 @@ def workload_from_args(args) -> Workload:
     work = SIZES[args.size]
     if args.model_preset:
         work = dataclasses.replace(work, preset=args.model_preset)
-    return work
+    return dataclasses.replace(work, scan_layers=args.scan_layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,6 +567,7 @@ class Orchestrator:
                 command += ["--work", str(args.work)]
             if args.model_preset:
                 command += ["--model-preset", args.model_preset]
+            command += ["--scan-layers", args.scan_layers]
             if profile and args.profile_steps:
                 command += ["--profile-steps", str(args.profile_steps)]
             if args.compiled_plan:
@@ -763,7 +770,7 @@ def workload_record(work: Workload, args) -> dict:
     record = {"size": work.size, "preset": work.preset, "dtype": work.dtype, "devices_per_side": 1,
               "prompts": work.prompts, "group_size": work.group, "rows": work.rows, "new_tokens": work.new_tokens,
               "prompt_slots": work.prompt_slots, "early_stop": False, "temperature": 1.0, "kl_coef": work.kl_coef,
-              "remat": work.remat, "num_iterations": NUM_ITERATIONS}
+              "remat": work.remat, "num_iterations": NUM_ITERATIONS, "scan_layers": work.scan_layers}
     if work.lora_rank:
         record.update(lora={"rank": work.lora_rank, "alpha": work.lora_alpha, "targets": LORA_TARGETS,
                             "peer": "qwix LoraProvider on every linear layer (Tunix's own recipe)"})
@@ -781,6 +788,8 @@ def workload_record(work: Workload, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="a")
+    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
+                        help="our side's model.scan_layers (default auto: the engine's choice for the platform)")
     parser.add_argument("--platform", choices=("cpu", "tpu"), default="cpu",
                         help="where both sides run; tpu: JAX_PLATFORMS unset, the peer from --peer-python")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 9; size c 6)")
