@@ -76,7 +76,8 @@ class ModelSpec(_Strict):
     scan_layers: Literal["auto"] | bool = Field(
         "auto", description="how the forward runs the decoder layers, whose parameters are stacked either way: "
         "true under one lax.scan (XLA compiles one layer body, not one per layer: far shorter first steps), "
-        "false unrolled; auto: unrolled on CPU, where it runs faster, scanned on accelerators")
+        "false unrolled; auto: unrolled on CPU, where it runs faster, and on accelerators for stacks of at most "
+        "4 layers (they compile quickly and run faster unrolled), scanned otherwise")
     lora: LoRASpec | None = Field(
         None, description="train low-rank adapters on a frozen base instead of every weight (GRPO and SFT)")
 

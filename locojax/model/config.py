@@ -14,10 +14,15 @@ Architecture = Literal["qwen3", "llama"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 ScanLayers = Literal["auto"] | bool
 
-# What `scan_layers: auto` picks per JAX platform (`jax.default_backend()`); a platform not named here
-# scans. XLA:CPU runs the unrolled layers faster (README, "The model"); on accelerators the compile time
-# of one layer body instead of N is the point.
+# What `scan_layers: auto` picks per JAX platform (`jax.default_backend()`). XLA:CPU runs the unrolled
+# layers faster (README, "The model"). On accelerators the compile time of one layer body instead of N is
+# the point, but a short stack compiles quickly either way and runs faster unrolled: on a TPU v5e the
+# 4-layer small preset's GRPO step (size b of bench/results/grpo_step_tpu.json) took 115 ms unrolled
+# against 152 ms scanned (rollout 56 vs 72 ms, train 52 vs 76: no per-layer slices and stacked saves),
+# for ~9 s more compilation; Qwen3-0.6B's 28 unrolled layers took 2-2.5 minutes to a first step where
+# the scanned stack takes under 30 s. So a platform not named here scans stacks deeper than this.
 SCAN_LAYERS_AUTO: dict[str, bool] = {"cpu": False}
+UNROLLED_LAYERS_MAX = 4
 
 
 # Projection short names (as in RunSpec model.lora.targets) -> the Hugging Face / PEFT module path.
@@ -93,7 +98,7 @@ class ModelConfig:
     def scans_layers(self, platform: str) -> bool:
         """Whether the forward runs the layers under `lax.scan` on `platform` (a JAX backend name)."""
         if self.scan_layers == "auto":
-            return SCAN_LAYERS_AUTO.get(platform, True)
+            return SCAN_LAYERS_AUTO.get(platform, self.n_layers > UNROLLED_LAYERS_MAX)
         return bool(self.scan_layers)
 
     @property

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from locojax.model import PRESETS, create_model, forward, get_preset, init_cache, param_count, positions_from_mask
-from locojax.model.config import PUBLISHED_PARAMS, ModelConfig
+from locojax.model.config import PUBLISHED_PARAMS, UNROLLED_LAYERS_MAX, ModelConfig
 from locojax.model.sharding import batch_sharding, logical_to_spec, make_mesh, shard_state
 
 jit_forward = jax.jit(forward, static_argnums=0)
@@ -246,10 +246,14 @@ def test_scanned_layers_prefill_and_decode_like_the_unrolled_ones(name):
              init_cache(config.replace(scan_layers=False), batch, total + 4), 0)
 
 
-def test_scan_layers_auto_scans_on_accelerators_only():
-    config = get_preset("tiny")
-    assert config.scan_layers == "auto"
+def test_scan_layers_auto_scans_deep_stacks_on_accelerators_only():
+    config = get_preset("qwen3-0.6b")
+    assert config.scan_layers == "auto" and config.n_layers > UNROLLED_LAYERS_MAX
     assert not config.scans_layers("cpu") and config.scans_layers("tpu") and config.scans_layers("gpu")
+    short = config.replace(n_layers=UNROLLED_LAYERS_MAX)  # compiles quickly unrolled, and runs faster so
+    assert not short.scans_layers("tpu") and not short.scans_layers("gpu") and not short.scans_layers("cpu")
+    assert short.replace(n_layers=UNROLLED_LAYERS_MAX + 1).scans_layers("tpu")
+    assert get_preset("small").n_layers == UNROLLED_LAYERS_MAX and not get_preset("small").scans_layers("tpu")
     assert config.replace(scan_layers=True).scans_layers("cpu")
     assert not config.replace(scan_layers=False).scans_layers("tpu")
     with pytest.raises(ValueError, match="scan_layers"):
