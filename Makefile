@@ -36,9 +36,9 @@ demo: install
 # the order tests/conftest.py sets: its pytest_xdist_make_scheduler serves any --dist mode but "no".
 XDIST := -n 2 --dist loadscope
 
-# One process: on 2 cores the suite is CPU-bound, two workers saved no wall time measurably and starved a
-# Ray run into a failure once (see README). `make test XDIST_TEST="$(XDIST)"` runs it on two workers.
-XDIST_TEST ?=
+# Two workers too: the suite's processes leave cores idle while they wait (on Ray, Celery, a restarted
+# service), which the other worker fills (README, "Quick start"). `make test XDIST_TEST=` runs one process.
+XDIST_TEST ?= $(XDIST)
 test: install
 	$(PY) -m pytest -q $(XDIST_TEST) --durations=25
 

@@ -39,6 +39,20 @@ if "PYTEST_XDIST_WORKER" not in os.environ or "JAX_COMPILATION_CACHE_DIR" not in
 # settings from the environment alone (Ray's actors, the probe's workers), where a test builds again
 # a program an earlier test compiled.
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# Two xdist workers share 2 cores: a DA driver once gave up on its Ray GCS after Ray's 60 s while the
+# other worker's tests held the cores (the GCS starved, not broken). Runs started from the tests may
+# wait 180 s; an engine a worker starts keeps Ray's default (RAY_* does not pass the worker's filter).
+os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "180")
+# The tests' programs are tiny and run a few steps: XLA:CPU spends far longer compiling them than running
+# them, much of that in LLVM optimising the machine code XLA:CPU generates. At LLVM's level 0 a cold
+# two-host tiny run took 14-16 s instead of 23.7 end to end (a warm one: 8.2). The programs are the same
+# XLA programs (fast-math off either way) in less optimised machine code, whose float32 rounding can
+# differ in the last bits (a chunked entropy: 3.8e-6 from the whole-vocabulary one instead of 9.5e-7);
+# every test passes with it, the exact-equality ones included. Benchmarks and real runs keep XLA's default.
+# Engines a worker starts keep it too (worker/supervisor.py passes XLA_* through).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 
 def session_processes(fragment: str) -> list[int]:

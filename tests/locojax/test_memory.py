@@ -326,7 +326,9 @@ def test_chunked_completion_logprobs_equal_the_full_log_softmax_and_its_gradient
     one = chunked_logprobs_and_entropy(hidden, head, targets, 1.0, 4096)
     many = chunked_logprobs_and_entropy(hidden, head, targets, 1.0, 64)
     np.testing.assert_allclose(one[0], many[0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(one[1], many[1], rtol=1e-6, atol=1e-6)
+    # The entropy sums 384 float32 terms in chunks, in another order: 9.5e-7 apart at XLA:CPU's default
+    # code generation, 3.8e-6 at the tests' LLVM level 0 (tests/conftest.py); a chunking error is ~1e-1.
+    np.testing.assert_allclose(one[1], many[1], rtol=1e-5, atol=1e-5)
 
 
 def _sgd(lr=0.1):
