@@ -17,8 +17,8 @@ ScanLayers = Literal["auto"] | bool
 # What `scan_layers: auto` picks per JAX platform (`jax.default_backend()`). XLA:CPU runs the unrolled
 # layers faster (README, "The model"). On accelerators the compile time of one layer body instead of N is
 # the point, but a short stack compiles quickly either way and runs faster unrolled: on a TPU v5e the
-# 4-layer small preset's GRPO step (size b of bench/results/grpo_step_tpu.json) took 115 ms unrolled
-# against 152 ms scanned (rollout 56 vs 72 ms, train 52 vs 76: no per-layer slices and stacked saves),
+# 4-layer small preset's GRPO step at size b took 115-118 ms unrolled against 152 ms scanned, alternating
+# in one session (bench/results/scan_layers_ab_tpu.json; rollout 56 vs 72 ms, train 52 vs 76),
 # for ~9 s more compilation; Qwen3-0.6B's 28 unrolled layers took 2-2.5 minutes to a first step where
 # the scanned stack takes under 30 s. So a platform not named here scans stacks deeper than this.
 SCAN_LAYERS_AUTO: dict[str, bool] = {"cpu": False}
