@@ -25,7 +25,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as connection_wait
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -210,7 +212,25 @@ class SCSession(ModeSession):
                     self.lost_ranks.add(rank)
                 raise SCError(f"{self._describe(rank)} was lost during {phase} of step {self.step_index}: "
                               f"{exc}") from None
-        return [self._receive(rank, phase) for rank in range(self.hosts)]
+        return self._receive_all(phase)
+
+    def _receive_all(self, phase: str) -> list[Any]:
+        """Every worker's answer to one call, taken as they arrive. Waiting on rank 0 first hid a dead
+        rank 1 while rank 0 sat in a collective with it (a checkpoint's barrier) until JAX's heartbeat
+        timed out, over a minute; a link that closes is now seen, and named, the moment it does."""
+        answers: dict[int, Any] = {}
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while len(answers) < self.hosts:
+            pending = {self.connections[rank]: rank for rank in range(self.hosts) if rank not in answers}
+            ready = connection_wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                rank = min(pending.values())
+                raise SCError(f"{self._describe(rank)} was lost during {phase} of step {self.step_index}: "
+                              f"no answer within {CALL_TIMEOUT_S:g} s ({phase})")
+            for connection in ready:
+                rank = pending[connection]
+                answers[rank] = self._receive(rank, phase, timeout_s=0.0)  # ready: an answer or a closed link
+        return [answers[rank] for rank in range(self.hosts)]
 
     # --- the step ---
 
