@@ -97,7 +97,7 @@ class SCSession(ModeSession):
                 connections = link.accept(listener, self.hosts, CONNECT_TIMEOUT_S,
                                           lambda: (dead := self._dead_child()) and f"{dead} during start-up")
             self.connections = self._hello(connections, address)
-            ready = [self._receive(rank, "setup", SETUP_TIMEOUT_S) for rank in range(self.hosts)]
+            ready = self._receive_all("setup", SETUP_TIMEOUT_S)
             starts = {answer["start_step"] for answer in ready}
             if len(starts) != 1:
                 raise SCError(f"the workers restored different steps {sorted(starts)}")
@@ -172,9 +172,10 @@ class SCSession(ModeSession):
         where = self.worker_hosts[rank] if rank < len(getattr(self, "worker_hosts", [])) else "?"
         return f"SC worker {rank} on {where}"
 
-    def _receive(self, rank: int, phase: str, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    def _receive(self, rank: int, phase: str) -> Any:
+        """Rank's answer, which `_receive_all` found waiting (an answer, or the link closed)."""
         try:
-            answer = link.receive(self.connections[rank], timeout_s, phase)
+            answer = link.receive(self.connections[rank], 0.0, phase)
         except link.LinkError as exc:
             if isinstance(exc, link.LinkLost):  # not a timeout: a hung worker still gets its stop deadline
                 self.lost_ranks.add(rank)
@@ -214,22 +215,21 @@ class SCSession(ModeSession):
                               f"{exc}") from None
         return self._receive_all(phase)
 
-    def _receive_all(self, phase: str) -> list[Any]:
-        """Every worker's answer to one call, taken as they arrive. Waiting on rank 0 first hid a dead
-        rank 1 while rank 0 sat in a collective with it (a checkpoint's barrier) until JAX's heartbeat
-        timed out, over a minute; a link that closes is now seen, and named, the moment it does."""
+    def _receive_all(self, phase: str, timeout_s: float = CALL_TIMEOUT_S) -> list[Any]:
+        """Every worker's answer to one call (or to setup), taken as they arrive. Waiting on rank 0 first
+        hid a dead rank 1 while rank 0 sat in a collective with it (a checkpoint's barrier) until JAX's
+        heartbeat timed out, over a minute; a link that closes is now seen, and named, the moment it does."""
         answers: dict[int, Any] = {}
-        deadline = time.monotonic() + CALL_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while len(answers) < self.hosts:
             pending = {self.connections[rank]: rank for rank in range(self.hosts) if rank not in answers}
             ready = connection_wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 rank = min(pending.values())
                 raise SCError(f"{self._describe(rank)} was lost during {phase} of step {self.step_index}: "
-                              f"no answer within {CALL_TIMEOUT_S:g} s ({phase})")
+                              f"no answer within {timeout_s:g} s ({phase})")
             for connection in ready:
-                rank = pending[connection]
-                answers[rank] = self._receive(rank, phase, timeout_s=0.0)  # ready: an answer or a closed link
+                answers[pending[connection]] = self._receive(pending[connection], phase)
         return [answers[rank] for rank in range(self.hosts)]
 
     # --- the step ---

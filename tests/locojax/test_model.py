@@ -250,7 +250,7 @@ def test_scan_layers_auto_scans_deep_stacks_on_accelerators_only():
     config = get_preset("qwen3-0.6b")
     assert config.scan_layers == "auto" and config.n_layers > UNROLLED_LAYERS_MAX
     assert not config.scans_layers("cpu") and config.scans_layers("tpu") and config.scans_layers("gpu")
-    short = config.replace(n_layers=UNROLLED_LAYERS_MAX)  # compiles quickly unrolled, and runs faster so
+    short = config.replace(n_layers=UNROLLED_LAYERS_MAX)  # quick to compile unrolled, and faster to run
     assert not short.scans_layers("tpu") and not short.scans_layers("gpu") and not short.scans_layers("cpu")
     assert short.replace(n_layers=UNROLLED_LAYERS_MAX + 1).scans_layers("tpu")
     assert get_preset("small").n_layers == UNROLLED_LAYERS_MAX and not get_preset("small").scans_layers("tpu")
