@@ -11,12 +11,22 @@ the REST client for users is `locojax.client`.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from locojax.contract import EXIT_FAILED
-from server.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from server.settings import Settings
+
+
+def get_settings() -> "Settings":
+    """The operator's settings, imported when a command runs: `locojax` registers these commands in every
+    process it starts, engine hosts included, which need none of pydantic-settings (see locojax/client.py)."""
+    from server import settings
+
+    return settings.get_settings()
 
 
 def _database(settings: Settings):
