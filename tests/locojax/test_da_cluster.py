@@ -50,8 +50,8 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def _start_client(address: str, **auth: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | auth
+def _start_client(address: str, **settings: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | settings
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.Popen([sys.executable, "-c", CLIENT, address], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -74,9 +74,13 @@ def test_the_runs_ray_cluster_admits_only_holders_of_the_attempts_secret(tmp_pat
         address = head.stdout.readline().strip()
         assert address, "the head did not start"
         # The three clients side by side: a refused one gives up only after Ray's ~20 s of connection
-        # retries, which two of them would otherwise sit out one after the other.
-        clients = [_start_client(address),
-                   _start_client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(other)),
+        # retries, which two of them would otherwise sit out one after the other. A refused client can
+        # also end up waiting for the GCS "to become available" for as long as Ray lets a GCS request
+        # take: Ray's own 60 s for those two, not the 180 s tests/conftest.py gives runs under load
+        # (with it, one outlived _finish's 180 s once).
+        refused_wait = {"RAY_gcs_server_request_timeout_seconds": "60"}
+        clients = [_start_client(address, **refused_wait),
+                   _start_client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(other), **refused_wait),
                    _start_client(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(secret))]
         try:
             refused, wrong, admitted = [_finish(client) for client in clients]

@@ -87,7 +87,10 @@ def test_da_improves_the_reward_like_co_from_the_same_sft_start(tmp_path, sft_st
     gain_co = expected_reward(co, trained_params(co, tmp_path / "co")) - start
     gain_da = expected_reward(da, trained_params(da, tmp_path / "da")) - start
     print(f"expected reward: start {start:.3f}, CO {gain_co:+.3f}, DA {gain_da:+.3f}")
-    assert 0.1 < start < 0.5, f"the SFT start should be partly right, got {start:.3f}"
+    # Partly right, so the runs have room to gain (they gain ~+0.09). The SFT start's expected reward is
+    # 0.445 at XLA's default LLVM level and 0.501 at the level 0 the tests compile at (tests/conftest.py;
+    # two SFT runs alike to the bit, one suite run 0.505): a bound of 0.5 failed on that, 0.6 does not.
+    assert 0.1 < start < 0.6, f"the SFT start should be partly right, got {start:.3f}"
     # Both must gain at least half the ~+0.08 that CO gains in this setting (spread over lr and seed
     # was +-0.005), so a mode that does not learn, or unlearns, fails; and DA, one step stale, must
     # get at least half of CO's gain: "like CO does".
