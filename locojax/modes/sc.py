@@ -227,7 +227,7 @@ class SCSession(ModeSession):
             if not ready:
                 rank = min(pending.values())
                 raise SCError(f"{self._describe(rank)} was lost during {phase} of step {self.step_index}: "
-                              f"no answer within {timeout_s:g} s ({phase})")
+                              f"no answer within {timeout_s:g} s")
             for connection in ready:
                 answers[pending[connection]] = self._receive(pending[connection], phase)
         return [answers[rank] for rank in range(self.hosts)]
