@@ -46,6 +46,10 @@
 #                tokens, 64 rows) of the larger of qwen3-1.7b and -0.6b the memory plan lets run, tried largest
 #                first; each refusal and the run that fits (its peak against the plan) -> part_full-ft.json; not in
 #                the default list
+#   memory-timeline ~5 min (9 min): bench/tpu_memory_timeline.py, one process per workload
+#                (MEMORY_TIMELINE_WORKLOADS, default "lora16 c16 bf16-128 lora64"): when the device's in-use
+#                and reserved bytes peak, phase by phase, beside the compiled plan's terms ->
+#                timeline_<workload>.json (issues 37 and 40's peak_device_vs_plan); not in the default list
 #   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT): also lora_tpu.json
 # Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
 # `install` (with `tests`) first. Nothing is pip-installed after the install stage.
@@ -165,6 +169,16 @@ grpo() {  # STAGE SIZE ARGS ...
     --out "$out/part_$name.json" ${GRPO_ARGS:-} "$@"
 }
 
+memory_timeline() {  # each workload in its own process: the runtime's peak counters cover a process's life
+  local failed=0 workload
+  for workload in ${MEMORY_TIMELINE_WORKLOADS:-lora16 c16 bf16-128 lora64}; do
+    # shellcheck disable=SC2086
+    "$py" bench/tpu_memory_timeline.py "$out/timeline_$workload.json" "$workload" --work "$work" \
+      ${MEMORY_TIMELINE_ARGS:-} || failed=1
+  done
+  return $failed
+}
+
 c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, OUTDIR's, or a committed one)
   if [ -n "${C_ROWS:-}" ]; then
     echo "--rows $C_ROWS"
@@ -230,7 +244,7 @@ placement_runs() {  # FIRST_RUN_NUMBER TARBALL CONFIG...
 }
 
 export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES
-export -f install install_into grpo placement_runs
+export -f install install_into grpo placement_runs memory_timeline
 scale_batch="--prompts 16 --group 8 --prompt-tokens 64 --new-tokens 128 --dtype bfloat16 --remat ${SCALE_REMAT:-full}"
 
 for name in $stages; do
@@ -272,8 +286,9 @@ for name in $stages; do
     # shellcheck disable=SC2086
     full-ft) stage full-ft 540 "$py" bench/full_ft.py --platform "$platform" --work "$work/full-ft" \
       --out "$out/part_full-ft.json" ${FULL_FT_ARGS:-} ;;
+    memory-timeline) stage memory-timeline 540 memory_timeline ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth placement-width lora-1.7b lora-4b full-ft merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth placement-width lora-1.7b lora-4b full-ft memory-timeline merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"
