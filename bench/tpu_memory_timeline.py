@@ -178,6 +178,19 @@ def main() -> None:
         return plan
 
     common.check_compiled_plan = check_and_keep
+    from locojax import compiled_plan as compiled_plan_module
+
+    analyses = {}
+    real_compile_all = compiled_plan_module._compile_all
+
+    def compile_all_and_keep(programs):
+        found = real_compile_all(programs)
+        for name, analysis in found.items():
+            analyses[name] = {key: getattr(analysis, key) / GiB for key in dir(analysis)
+                              if key.endswith("_in_bytes") and isinstance(getattr(analysis, key), int)}
+        return found
+
+    compiled_plan_module._compile_all = compile_all_and_keep
     sampler = Sampler(device)
     counters = StepCounters(device, sampler)
     from bench.scale import source_commit
@@ -196,6 +209,7 @@ def main() -> None:
     record["status"] = str(result.status)
     record["plan"] = ({"summary": plans[0].summary(), "peak_gib": plans[0].peak_bytes / GiB,
                        "terms_gib": {k: v / GiB for k, v in plans[0].terms.items()}} if plans else None)
+    record["compiled_analyses_gib"] = analyses  # XLA's memory analysis of each program, every *_in_bytes field
     record["after_steps"] = counters.steps
     record["by_phase_gib"] = {phase: {k: (v / GiB if k != "samples" else v) for k, v in top.items()}
                               for phase, top in sampler.by_phase.items()}
@@ -206,6 +220,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, default=str))
     print(json.dumps({"workload": args.workload, "plan_gib": record["plan"] and record["plan"]["peak_gib"],
+                      "analyses": analyses,
                       "after_steps": counters.steps[-1] if counters.steps else None,
                       "by_phase_gib": record["by_phase_gib"]}, indent=1, default=str))
 
