@@ -281,6 +281,40 @@ def test_building_a_model_lets_each_layers_copy_go_once_its_weight_is_stacked():
             np.testing.assert_array_equal(value, np.asarray(stacked_value)[index])
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_building_the_layers_in_place_gives_the_stacked_models_values_bit_for_bit(monkeypatch, tie):
+    """On accelerators the decoder is built in place: each layer, as it is drawn, is written into the
+    stacked weights (donated) and dropped, so the build peaks at the model plus one layer. Forced here on
+    XLA:CPU, it gives the very model stacking the finished layers gives: every weight and adapter (drawn
+    after the base, so the base is the same with or without LoRA), its axes, the same graph."""
+    from locojax.model import LoRAConfig
+    from locojax.model import transformer
+
+    config = get_preset("tiny").replace(tie_embeddings=tie, lora=LoRAConfig(
+        rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down")))
+    stacked_build = create_model(config, seed=3)
+    monkeypatch.setitem(transformer.BUILD_LAYERS_IN_PLACE, "cpu", True)
+    writes = []
+    real_write = transformer._write_layer
+    monkeypatch.setattr(transformer, "_write_layer", lambda *a: writes.append(a[2]) or real_write(*a))
+    in_place = create_model(config, seed=3)
+    base_in_place = create_model(config.replace(lora=None), seed=3)
+    assert [int(index) for index in writes] == 2 * list(range(config.n_layers))
+
+    assert nnx.graphdef(in_place) == nnx.graphdef(stacked_build)
+    expected = nnx.to_flat_state(nnx.state(stacked_build))
+    built = nnx.to_flat_state(nnx.state(in_place))
+    assert [path for path, _ in built] == [path for path, _ in expected]
+    for (path, variable), (_, reference) in zip(built, expected):
+        assert variable.get_metadata()["axes"] == reference.get_metadata()["axes"], path
+        assert variable[...].dtype == reference[...].dtype, path
+        np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(reference[...]), err_msg=str(path))
+    base = dict(nnx.to_flat_state(nnx.state(base_in_place)))
+    for path, variable in built:
+        if "lora" not in path[-1]:
+            np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(base[path][...]), err_msg=str(path))
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_scanned_forward_with_output_slots_keeps_no_second_copy_of_the_weights(lora):
     """Training scores the completion's slots only (`output_slots`). Cutting the last layer off the
