@@ -47,8 +47,8 @@
 #                first; each refusal and the run that fits (its peak against the plan) -> part_full-ft.json; not in
 #                the default list
 #   memory-timeline ~5 min (9 min): bench/tpu_memory_timeline.py, one process per workload
-#                (MEMORY_TIMELINE_WORKLOADS, default "lora16 c16 bf16-128 lora64"): when the device's in-use
-#                and reserved bytes peak, phase by phase, beside the compiled plan's terms ->
+#                (MEMORY_TIMELINE_WORKLOADS, default "lora16 c16 bf16-128 lora64 b lora4b-24"): when the
+#                device's in-use and reserved bytes peak, phase by phase, beside the compiled plan's terms ->
 #                timeline_<workload>.json (issues 37 and 40's peak_device_vs_plan); not in the default list
 #   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT): also lora_tpu.json
 # Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
@@ -171,7 +171,7 @@ grpo() {  # STAGE SIZE ARGS ...
 
 memory_timeline() {  # each workload in its own process: the runtime's peak counters cover a process's life
   local failed=0 workload
-  for workload in ${MEMORY_TIMELINE_WORKLOADS:-lora16 c16 bf16-128 lora64}; do
+  for workload in ${MEMORY_TIMELINE_WORKLOADS:-lora16 c16 bf16-128 lora64 b lora4b-24}; do
     # shellcheck disable=SC2086
     "$py" bench/tpu_memory_timeline.py "$out/timeline_$workload.json" "$workload" --work "$work" \
       ${MEMORY_TIMELINE_ARGS:-} || failed=1

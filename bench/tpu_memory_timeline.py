@@ -14,7 +14,8 @@ fall at the same moment, which this tells apart from what is live at once.
 
 Workloads (bench/grpo_step.py's, from the preset's random init, no HF directory):
   lora16, lora64: its `lora` size (Qwen3-1.7B bf16, LoRA rank 16 on every linear layer, 96 + 256
-                  tokens) at 16 and 64 rows
+                  tokens) at 16 and 64 rows; lora4b-24: the same at Qwen3-4B, 24 rows (its largest)
+  b:              size b (the small preset, float32, 32 prompts x 8, 64 + 128 tokens, kl 0.04)
   c16:            size c (Qwen3-0.6B float32, 96 + 128 tokens, kl 0) at 16 rows
   bf16-128:       bench/scale.py's batch (Qwen3-0.6B bf16, remat full, 16 prompts x 8, 64 + 128 tokens)
 One workload per process: the runtime's peak counters cover the process's life.
@@ -45,6 +46,8 @@ def workloads():
     return {
         "lora16": SIZES["lora"].with_prompts(2),
         "lora64": SIZES["lora"],
+        "lora4b-24": dataclasses.replace(SIZES["lora"], preset="qwen3-4b", prompts=3),
+        "b": SIZES["b"],
         "c16": dataclasses.replace(SIZES["c"], prompts=4, group=4, hf_weights=False),
         "bf16-128": Workload("bf16-128", "qwen3-0.6b", prompts=16, group=8, new_tokens=128, prompt_slots=64,
                              kl_coef=0.0, remat="full", dtype="bfloat16", scale_inputs=True, hf_weights=False),
@@ -166,7 +169,8 @@ def main() -> None:
     if args.model_preset:
         work = dataclasses.replace(work, preset=args.model_preset)
     args.work.mkdir(parents=True, exist_ok=True)
-    inputs = grpo_step.prepare_scale_inputs(args.work, work.preset, weights=work.hf_weights)
+    inputs = (grpo_step.prepare_scale_inputs(args.work, work.preset, weights=work.hf_weights)
+              if work.scale_inputs else None)
     spec = grpo_step.make_spec(work, args.steps, str(args.work / f"timeline-{args.workload}"), inputs)
     device = jax.devices()[0]
     plans = []
