@@ -1,6 +1,7 @@
 """Where a run's device peak comes from, over time (issues 37 and 40: `peak_device_vs_plan`).
 
     python3 bench/tpu_memory_timeline.py OUT.json WORKLOAD [--steps 4] [--work DIR]
+    python3 bench/tpu_memory_timeline.py summarise DIR --out bench/results/tpu_memory_timeline_tpu.json
 
 Runs one workload's CO loop in this process, as `locojax train` runs it, while a thread samples the
 device's `memory_stats()` about every millisecond: `bytes_in_use` (live buffers) and `bytes_reserved`
@@ -150,7 +151,66 @@ def live_arrays_summary(limit: int = 12) -> dict:
                         for (shape, dtype), nbytes in by_shape.most_common(limit)]}
 
 
+def summarise(paths: list[Path]) -> dict:
+    """One record per workload from the timelines of `paths`: the compiled plan against the device's
+    peak (the runtime's two peak counters added, as `memory/device_peak_gib` reports it), the steady
+    in-use bytes, and each program's reservation beside XLA's two figures for it."""
+    workloads_out = {}
+    for path in paths:
+        record = json.loads(path.read_text())
+        last = record["after_steps"][-1]
+        reservations = []  # the runtime's reservation each time it changed, with the phase it changed in
+        for change in record["changes"]:
+            if not reservations or change["reserved_gib"] != reservations[-1]["reserved_gib"]:
+                reservations.append({"phase": change["phase"], "reserved_gib": change["reserved_gib"]})
+        programs = {name: {"temp_size_gib": a["temp_size_in_bytes"],
+                           "peak_minus_arguments_gib": a["peak_memory_in_bytes"] - a["argument_size_in_bytes"]}
+                    for name, a in record.get("compiled_analyses_gib", {}).items()}
+        plan = record["plan"]
+        workloads_out[record["workload"]] = {
+            "commit": record["commit"], "date_utc": record.get("date_utc"), "rows": record["rows"],
+            "status": record["status"], "plan_line": plan["summary"] if plan else None,
+            "planned_gib": plan["peak_gib"] if plan else None,
+            "peak_device_gib": last["device_peak_gib"],
+            "peak_device_vs_plan": (last["device_peak_gib"] / plan["peak_gib"]
+                                    if plan and last["device_peak_gib"] else None),
+            "peak_in_use_gib": last["peak_bytes_in_use"], "steady_in_use_gib": last["bytes_in_use"],
+            "peak_reserved_gib": last["peak_bytes_reserved"],
+            "in_use_peak_phase": max(record["changes"], key=lambda c: c["in_use_gib"])["phase"]
+            if record["changes"] else None,
+            "reservations": reservations, "programs": programs}
+    first = json.loads(paths[0].read_text())
+    return {"benchmark": "tpu_memory_timeline", "platform": first["platform"], "device_kind": first["device_kind"],
+            "commit": sorted({w["commit"] for w in workloads_out.values()}),
+            "method": __doc__.split("Workloads")[0].strip(), "workloads": workloads_out}
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["summarise"]:
+        parser = argparse.ArgumentParser(description="the timelines of DIR in one file")
+        parser.add_argument("command")
+        parser.add_argument("folder", type=Path)
+        parser.add_argument("--out", type=Path, required=True)
+        parser.add_argument("--commit", help="the commit measured, where the timelines name a stale one "
+                                             "(a machine's copy of the checkout whose .git was older)")
+        parser.add_argument("--note", help="a note to keep with the figures")
+        parser.add_argument("--before", type=Path, help="a folder of timelines of the code before a change, "
+                                                        "kept beside them as before_workloads")
+        args = parser.parse_args()
+        summary = summarise(sorted(args.folder.glob("timeline_*.json")))
+        if args.before:
+            summary["before_workloads"] = summarise(sorted(args.before.glob("timeline_*.json")))["workloads"]
+        if args.commit:
+            summary["commit"] = args.commit
+            for workload in summary["workloads"].values():
+                workload["commit"] = args.commit
+        if args.note:
+            summary["note"] = args.note
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+        for name, workload in summary["workloads"].items():
+            print(f"{name:10} rows {workload['rows']:4} plan {workload['planned_gib']:.2f} GiB, "
+                  f"peak {workload['peak_device_gib']:.2f}: {workload['peak_device_vs_plan']:.3f}")
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("workload", choices=sorted(workloads()))
