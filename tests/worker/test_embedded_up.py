@@ -89,8 +89,11 @@ def test_up_runs_a_submitted_run_and_the_dashboard_follows_it(up: Up):
             page.evaluate("window.__no_reload = true")
             sync_api.expect(page.locator("#run-status")).to_have_text("SUCCEEDED", timeout=240_000)
             assert page.evaluate("window.__no_reload === true"), "the page was reloaded"
-            page.wait_for_function(
-                "Number(document.querySelector('figure[data-chart=reward]').dataset.drawnPoints) === 12")
+            # A locator assertion, not page.wait_for_function: that one polls by evaluating its string
+            # inside the page, which the dashboard's CSP (no 'unsafe-eval') refuses whenever the chart
+            # was not drawn yet at the first look (a fresh-clone CI run failed so).
+            reward_chart = page.locator("figure[data-chart=reward]")
+            sync_api.expect(reward_chart).to_have_attribute("data-drawn-points", "12", timeout=120_000)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "run-page-real-run.png"), full_page=True)
             browser.close()
