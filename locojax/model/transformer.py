@@ -515,18 +515,14 @@ def _build_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     bench/results/tpu_memory_timeline_tpu.json)."""
     if not BUILD_LAYERS_IN_PLACE.get(jax.default_backend(), True):
         return _stack_layers([DecoderLayer(config, rngs) for _ in range(config.n_layers)])
-    first = DecoderLayer(config, rngs)
+    first = DecoderLayer(config, rngs)  # also the template of every stacked variable's metadata
     templates, treedef = jax.tree.flatten(nnx.state(first), is_leaf=_is_variable)
     stacked = [jnp.zeros((config.n_layers, *v.shape), v.dtype) for v in templates]
-    layer = first
-    for index in range(config.n_layers):
-        if index:
-            layer = DecoderLayer(config, rngs)
-        variables = jax.tree.leaves(nnx.state(layer), is_leaf=_is_variable)
-        stacked = _write_layer(stacked, [v[...] for v in variables], jnp.int32(index))
-        if index:
-            for variable in variables:
-                variable.set_value(None)
+    stacked = _write_layer(stacked, [v[...] for v in templates], jnp.int32(0))
+    for index in range(1, config.n_layers):
+        layer = jax.tree.leaves(nnx.state(DecoderLayer(config, rngs)), is_leaf=_is_variable)
+        stacked = _write_layer(stacked, [v[...] for v in layer], jnp.int32(index))
+        del layer  # before the next layer is drawn
     leaves = [t.replace(value, axes=(LAYER_AXIS, *t.get_metadata()["axes"])) for t, value in zip(templates, stacked)]
     return nnx.merge(nnx.graphdef(first), jax.tree.unflatten(treedef, leaves))
 
