@@ -217,7 +217,10 @@ def test_reward_sleep_shows_up_as_host_time(tmp_path):
                                                 checkpoint={"every": 0}))
         run_co(spec, console=False)
         rows = [r for r in m.read_jsonl(tmp_path / name / "metrics.jsonl") if r["host"] == "all" and r["step"] >= 2]
-        return np.median([r[m.TIME_HOST] for r in rows]), np.median([r[m.TIME_DEVICE] for r in rows])
+        # Host time's least value: other work on the machine only adds to a step's host time, and the
+        # sleep is in every step. (With medians, a fresh-clone CI run at load 4 measured the plain run's
+        # host time at 36 ms and the sleepy run's gain at 25 of the 50 ms.)
+        return min(r[m.TIME_HOST] for r in rows), np.median([r[m.TIME_DEVICE] for r in rows])
 
     base_host, base_device = host_times("plain", ["gsm8k"])
     sleepy_host, sleepy_device = host_times("sleepy", ["gsm8k", SLEEPY_REWARD])
