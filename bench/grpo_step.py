@@ -125,7 +125,8 @@ class Workload:
         """The namespace bench/scale.py's spec and peer-config builders read."""
         return types.SimpleNamespace(seed=SEED, dtype=self.dtype, remat=self.remat, prompts=self.prompts,
                                      group=self.group, prompt_tokens=self.prompt_slots,
-                                     new_tokens=self.new_tokens, steps=steps, model_preset=self.preset)
+                                     new_tokens=self.new_tokens, steps=steps, model_preset=self.preset,
+                                     micro_batch_size=None)
 
 
 SIZES = {

@@ -172,7 +172,8 @@ def make_spec(paths: dict[str, Path], args, name: str, output_dir: Path | None) 
         "task": {"name": "gsm8k", "path": str(paths["data"])},
         "rollout": {"prompts_per_step": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
                     "max_new_tokens": args.new_tokens, "temperature": 1.0},
-        "algo": {"name": "grpo", "kl_coef": 0.0},
+        "algo": {"name": "grpo", "kl_coef": 0.0,
+                 **({"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else {})},
         "optim": {"lr": 1e-6, "warmup_steps": 0},
         "steps": args.steps,
         "placement": {"mode": "co", "hosts": 1, "devices_per_host": 1},
@@ -993,7 +994,8 @@ def summarise(args, limits: dict | None, rounds: list[dict], rest: dict | None, 
         "benchmark": "scale", "model": f"{args.model_preset} (exact config, random weights)", "mode": "co",
         "seed": args.seed, "commit": source_commit(),
         "batch": {"prompts": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
-                  "max_new_tokens": args.new_tokens, "dtype": args.dtype, "remat": args.remat},
+                  "max_new_tokens": args.new_tokens, "dtype": args.dtype, "remat": args.remat,
+                  "micro_batch_size": args.micro_batch_size},
         "platform": args.platform,
         "steps_completed": min(r["steps_completed"] for r in rounds),
         "step_s": statistics.median(step_times),
@@ -1231,7 +1233,8 @@ def limits_part(args, work: Path) -> None:
     part = {"benchmark": "scale_limits",
             **part_header(args.stage, platform=limits["platform"], device_kind=limits["device_kind"]),
             "batch": {"prompts": args.prompts, "group_size": args.group, "max_prompt_tokens": args.prompt_tokens,
-                      "max_new_tokens": args.new_tokens, "dtype": args.dtype, "remat": args.remat},
+                      "max_new_tokens": args.new_tokens, "dtype": args.dtype, "remat": args.remat,
+                      "micro_batch_size": args.micro_batch_size},
             "inputs_sha256": input_digests(paths), "limits": limits, "load_note": args.load_note}
     _write(args.out, part)
     print(json.dumps({k: limits[k] for k in ("decode_vs_roofline", "decode_step_s", "stream_bandwidth_gb_s",
@@ -1245,6 +1248,7 @@ def load_for_peer_only(args, work: Path) -> tuple[dict, str]:
 
     result = load_recorded_run(args, "--peer-only")
     args.remat = result["batch"]["remat"]
+    args.micro_batch_size = result["batch"].get("micro_batch_size")
     args.steps, args.seed = result["steps_completed"], result.get("seed", args.seed)
     recorded = result["limits"]["config"]
     preset = model_config(args.model_preset)
@@ -1283,7 +1287,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--remat", choices=("none", "full"), default="full")
+    parser.add_argument("--remat", choices=("none", "dots", "full"), default="full")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="algo.micro_batch_size (sequences per gradient micro-batch; default: the engine's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model.dtype of the runs and of the limits phase's decode")
     parser.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default="cpu",

@@ -50,6 +50,10 @@
 #                (MEMORY_TIMELINE_WORKLOADS, default "lora16 c16 bf16-128 lora64 b lora4b-24"): when the
 #                device's in-use and reserved bytes peak, phase by phase, beside the compiled plan's terms ->
 #                timeline_<workload>.json (issues 37 and 40's peak_device_vs_plan); not in the default list
+#   train-variants ~1 min a variant (9 min): bench/scale.py's batch, one `locojax train` round (3 steps) per
+#                TRAIN_VARIANTS entry, remat:micro_batch_size (default "full: dots:32 full:32 dots:16 none:16";
+#                an empty size: the engine's default) -> variant_<remat>_<size>.json: what each remat policy
+#                and micro-batching cost the train step (issue 37's train_vs_matmul_peak); not in the default list
 #   merge        seconds: bench/tpu_merge.py over OUTDIR's parts into OUTDIR (MERGE_OUT): also lora_tpu.json
 # Each stage fits one 10-minute command with the machine warm and installed; on a fresh machine run
 # `install` (with `tests`) first. Nothing is pip-installed after the install stage.
@@ -179,6 +183,19 @@ memory_timeline() {  # each workload in its own process: the runtime's peak coun
   return $failed
 }
 
+train_variants() {  # scale's batch under each REMAT:MICRO_BATCH_SIZE of TRAIN_VARIANTS, one `locojax train` each
+  local failed=0 variant remat micro
+  for variant in ${TRAIN_VARIANTS:-full: dots:32 full:32 dots:16 none:16}; do
+    remat=${variant%%:*} micro=${variant#*:}
+    # shellcheck disable=SC2086
+    "$py" bench/scale.py --platform "$platform" --no-rest --no-peer --skip-limits --rounds 1 --steps 3 \
+      $scale_batch --remat "$remat" ${micro:+--micro-batch-size $micro} --work "$work" \
+      --out "$out/variant_${remat}_${micro:-whole}.json" --load-note "one TPU chip, nothing else on it" \
+      ${SCALE_ARGS:-} || failed=1
+  done
+  return $failed
+}
+
 c_rows() {  # size c's rows: $C_ROWS, else the rows search part ($C_ROWS_PART, OUTDIR's, or a committed one)
   if [ -n "${C_ROWS:-}" ]; then
     echo "--rows $C_ROWS"
@@ -244,8 +261,9 @@ placement_runs() {  # FIRST_RUN_NUMBER TARBALL CONFIG...
 }
 
 export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES
-export -f install install_into grpo placement_runs memory_timeline
+export -f install install_into grpo placement_runs memory_timeline train_variants
 scale_batch="--prompts 16 --group 8 --prompt-tokens 64 --new-tokens 128 --dtype bfloat16 --remat ${SCALE_REMAT:-full}"
+export scale_batch  # train_variants runs in the child shell a stage starts
 
 for name in $stages; do
   case $name in
@@ -287,8 +305,9 @@ for name in $stages; do
     full-ft) stage full-ft 540 "$py" bench/full_ft.py --platform "$platform" --work "$work/full-ft" \
       --out "$out/part_full-ft.json" ${FULL_FT_ARGS:-} ;;
     memory-timeline) stage memory-timeline 540 memory_timeline ;;
+    train-variants) stage train-variants 540 train_variants ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth placement-width lora-1.7b lora-4b full-ft memory-timeline merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth placement-width lora-1.7b lora-4b full-ft memory-timeline train-variants merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"

@@ -69,10 +69,12 @@ class ModelSpec(_Strict):
     tokenizer: str | None = Field(None, max_length=4096, description="local tokenizer.json; default: byte-level")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="parameters and matmul compute (norms and softmax stay float32); float32 on CPU")
-    remat: Literal["none", "full"] = Field(
+    remat: Literal["none", "dots", "full"] = Field(
         "none", description="activation rematerialisation in training: none keeps every layer's activations "
-        "for the backward pass, full keeps each layer's input only and recomputes the layer (less memory, "
-        "about a third more FLOPs); see locojax.placement.memory")
+        "for the backward pass, full keeps each layer's input only and recomputes the layer (least memory, "
+        "about a third more FLOPs), dots keeps the input and the outputs of the layer's weight matmuls and "
+        "recomputes only norms, rotary, attention and activations (between the two in memory, few extra "
+        "FLOPs); see locojax.placement.memory")
     scan_layers: Literal["auto"] | bool = Field(
         "auto", description="how the forward runs the decoder layers, whose parameters are stacked either way: "
         "true under one lax.scan (XLA compiles one layer body, not one per layer: far shorter first steps), "

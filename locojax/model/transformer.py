@@ -35,9 +35,11 @@ from locojax.model.config import LoRAConfig, ModelConfig, lora_projection_dims
 LAYER_AXIS = "layers"  # the logical name of the stacked parameters' leading axis
 
 # What a rematerialised layer keeps for the backward pass, by `remat` name (None: no remat).
-# "full": nothing but the layer's input. A MaxText-style policy (e.g. saving the matmul outputs,
-# `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) would be one more entry.
-REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable}
+# "full": nothing but the layer's input. "dots" (MaxText's "minimal"): also the outputs of the layer's
+# weight matmuls (projections and MLP, whose dot_generals have no batch dimension), so the backward
+# recomputes only norms, rotary, attention and activations, not the forward's matmul FLOPs.
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
 
 _MASKED = -1e30  # finite so a fully masked row (a pad query) gives a uniform softmax, not NaN
 
@@ -430,7 +432,8 @@ class Transformer(nnx.Module):
         training scores only the completion's slots, and a prefill samples from the last slot alone.
 
         `remat` (training, no cache): "full" rematerialises each layer, so its backward pass
-        recomputes the layer from its input instead of keeping its activations (`REMAT_POLICIES`).
+        recomputes the layer from its input instead of keeping its activations; "dots" keeps the
+        layer's weight-matmul outputs and recomputes the rest (`REMAT_POLICIES`).
         `hidden_only`: the final-normed hidden states [B, T, D] instead of logits, for callers that
         apply the head in vocabulary chunks (`head_rows`). `layers`: this model's `layer_params()`,
         prepared once outside a loop that calls the model many times (default: prepared here)."""

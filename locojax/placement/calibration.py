@@ -216,7 +216,8 @@ class EngineSettings:
     """What this engine does, for one spec, that a hardware profile's defaults do not say: it decodes
     with dense static-shape attention in one dispatch per rollout, holds weights and cache in the
     spec's dtype, and trains at 6 FLOPs per parameter-token (forward and backward; the behaviour
-    policy's log-probs come from the rollout), plus 2 to recompute each layer (`model.remat: full`) and
+    policy's log-probs come from the rollout), plus 2 to recompute each layer (`model.remat: full`;
+    `dots` keeps the matmul outputs and recomputes no matmul of the weights) and
     2 for the reference model's forward pass (`algo.kl_coef > 0`), times `algo.num_iterations` updates."""
 
     bytes_per_value: int

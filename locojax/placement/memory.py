@@ -29,8 +29,9 @@ from typing import Literal, Sequence
 
 from locojax.model.config import LoRAConfig, ModelConfig, lora_param_count, param_count
 
-RematPolicy = Literal["none", "full"]
-REMAT_POLICIES: tuple[RematPolicy, ...] = ("none", "full")
+RematPolicy = Literal["none", "dots", "full"]
+# In the order fit_plan tries them: most memory and fewest FLOPs first.
+REMAT_POLICIES: tuple[RematPolicy, ...] = ("none", "dots", "full")
 GiB = 1024**3
 # What the process needs besides the plan's arrays on CPU: the interpreter with JAX, XLA and the
 # compiled executables (bench/scale.py measured ~1.3 GiB RSS before the first parameter existed).
@@ -221,7 +222,9 @@ def activation_bytes(config: ModelConfig, rows: int, seq: int, value_bytes: int,
     before and after the rotary embedding, the attention output (3 H Dh + 3 K Dh), the SwiGLU's gate,
     up and product (3 F) per token, and the float32 attention scores and probabilities (2 H T).
     With full remat a layer keeps only its input (d per token) and one layer's worth is recomputed
-    at a time."""
+    at a time. With dots it also keeps its weight matmuls' outputs: queries, keys, values, the
+    attention and MLP output projections (2 d), gate and up (2 F); again one layer's worth of the rest
+    is recomputed at a time."""
     d, f = config.d_model, config.d_ff
     heads, kv, hd = config.n_heads, config.n_kv_heads, config.head_dim
     tokens = rows * seq
@@ -229,6 +232,9 @@ def activation_bytes(config: ModelConfig, rows: int, seq: int, value_bytes: int,
     per_layer = tokens * (4 * d * value_bytes + sharded / tensor)
     if remat == "none":
         return config.n_layers * per_layer
+    if remat == "dots":
+        matmul_outputs = (heads * hd + 2 * kv * hd + 2 * f) / tensor + 2 * d
+        return config.n_layers * tokens * (d + matmul_outputs) * value_bytes + per_layer
     return config.n_layers * tokens * d * value_bytes + per_layer
 
 
@@ -245,7 +251,7 @@ def mesh_shapes(devices_per_host: int) -> list[MeshShape]:
 def fit_plan(config: ModelConfig, *, devices_per_host: int, capacity_bytes: float, capacity_name: str,
              dtypes: Sequence[str], **shape) -> MemoryPlan:
     """The first plan that fits, trying dtypes in order, then meshes with the fewest parameter shards,
-    then remat none before full. Raises `MemoryPlanError` naming the largest term of the best attempt
+    then remat none, dots, full. Raises `MemoryPlanError` naming the largest term of the best attempt
     and what else would fit (more chips per model, bfloat16) when none does."""
     best: MemoryPlan | None = None
     for dtype in dtypes:
@@ -279,8 +285,9 @@ def refusal(plan: MemoryPlan) -> str:
         hints.append("more devices per host with placement.fsdp (shards params, gradients and AdamW state)")
     # The analytic plan names the activations; the compiled one has them among the train step's temporaries.
     activations = plan.train.get("activations", plan.train.get("train_temporaries", 0.0))
-    if plan.remat == "none" and activations > 0.1 * plan.peak_bytes:
-        hints.append("model.remat: full (keeps one activation per layer)")
+    if plan.remat != "full" and activations > 0.1 * plan.peak_bytes:
+        hints.append("model.remat: full (keeps one activation per layer)"
+                     + ("" if plan.remat == "dots" else " or dots (keeps the weight matmuls' outputs)"))
     if plan.dtype == "float32":
         hints.append("model.dtype: bfloat16 (halves every parameter-sized term)")
     hints.append("fewer rollout.prompts_per_step or group_size, or algo.micro_batch_size")
