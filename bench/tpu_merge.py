@@ -16,7 +16,9 @@ bench/results/tpu_parts/ and merges them, on any machine (no JAX needed):
     part's machine limits (bench/scale.py `apply_limits`) and the `tests` part's `tpu_tests`;
   * lora_tpu.json: the `lora-*` parts (bench/grpo_step.py --size lora, one model each; `merge_lora`), and
     the `full-ft` part (bench/full_ft.py: the largest preset a full-weight run fits) under `full_ft`.
-Both list their parts (`parts`: file, stage, commit, date) and say `mixed_commits: true` when the parts
+  * train_variants_tpu.json: the train-variants stage's runs, copied under PARTS_DIR/train_variants/
+    (`merge_train_variants`).
+The first three list their parts (`parts`: file, stage, commit, date) and say `mixed_commits: true` when the parts
 measured different sources.
 """
 
@@ -286,6 +288,44 @@ def merge_scale(parts: list[dict]) -> dict | None:
     return result
 
 
+def merge_train_variants(variants_dir: Path, parts: list[dict]) -> dict | None:
+    """bench/results/train_variants_tpu.json from the train-variants stage's `variant_<remat>_<size>.json`
+    (bench/scale.py runs of the scale batch, one per remat policy and micro-batch size): each variant's
+    train step against the bf16 matmul peak of the latest `limits` part, fastest first."""
+    files = sorted(p for p in variants_dir.glob("variant_*.json") if not p.name.endswith(".partial.json"))
+    if not files:
+        return None
+    limits = [part for part in parts if part.get("benchmark") == "scale_limits"]
+    peak = limits[-1]["limits"]["matmul_peak_gflop_s"] * 1e9 if limits else None
+    variants = []
+    for path in files:
+        run = json.loads(path.read_text(encoding="utf-8"))
+        flops = run["train_flops"]["flops"]
+        variants.append({
+            "file": path.name, "commit": run["commit"], "remat": run["batch"]["remat"],
+            "micro_batch_size": run["batch"].get("micro_batch_size"), "train_s": run["train_s"],
+            "step_s": run["step_s"], "rollout_s": run["rounds"][0]["rollout_s"],
+            "train_vs_matmul_peak": flops / run["train_s"] / peak if peak else None,
+            "peak_device_gib": run["peak_device_gib"], "planned_gib": run["planned_gib"],
+            "peak_device_vs_plan": run["peak_device_vs_plan"],
+            "setup_and_first_step_s": run["rounds"][0]["first_step_s"],
+            "steps_completed": run["steps_completed"], "load_average_before": run.get("load_average_before")})
+    variants.sort(key=lambda variant: variant["train_s"])
+    shapes = {json.dumps({k: v for k, v in json.loads(p.read_text())["batch"].items()
+                          if k not in ("remat", "micro_batch_size")}, sort_keys=True) for p in files}
+    if len(shapes) > 1:
+        raise SystemExit(f"{variants_dir}: the variants ran different batches: {sorted(shapes)}")
+    return {"benchmark": "train_variants_tpu", "platform": "tpu",
+            "commit": ", ".join(dict.fromkeys(v["commit"] for v in variants)),
+            "batch": json.loads(shapes.pop()), "model": "qwen3-0.6b (exact config, random weights)",
+            "matmul_peak_gflop_s": peak / 1e9 if peak else None,
+            "matmul_peak_from": limits[-1]["_file"] + " at " + str(limits[-1].get("commit")) if limits else None,
+            "method": "one `locojax train` round of 3 steps per variant (bench/tpu.sh train-variants), one after "
+                      "another on the chip; train_s the median of the steady steps' time/train; model FLOPs as "
+                      "scale_tpu.json counts them (remat's recompute not counted)",
+            "variants": variants}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts_dir", type=Path)
@@ -296,11 +336,15 @@ def main() -> None:
         raise SystemExit(f"no part_*.json in {args.parts_dir}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, merged in (("grpo_step_tpu.json", merge_grpo(parts)), ("scale_tpu.json", merge_scale(parts)),
-                         ("lora_tpu.json", merge_lora(parts))):
+                         ("lora_tpu.json", merge_lora(parts)),
+                         ("train_variants_tpu.json", merge_train_variants(args.parts_dir / "train_variants", parts))):
         if merged is None:
             print(f"{name}: no parts for it")
             continue
         (args.out_dir / name).write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
+        if "parts" not in merged:
+            print(f"wrote {args.out_dir / name} from {len(merged['variants'])} variants")
+            continue
         print(f"wrote {args.out_dir / name} from {', '.join(p['file'] for p in merged['parts'])}"
               f"{' (MIXED commits)' if merged['mixed_commits'] else ''}")
         if name == "grpo_step_tpu.json":
