@@ -166,6 +166,35 @@ def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path
         merge_scale(load_parts(tmp_path))
 
 
+def test_train_variants_merge_ranks_each_policy_against_the_limits_parts_matmul_peak(tmp_path):
+    from bench.tpu_merge import load_parts, merge_train_variants
+
+    shape = {"prompts": 16, "group_size": 8, "max_prompt_tokens": 64, "max_new_tokens": 128, "dtype": "bfloat16"}
+    (tmp_path / "part_limits.json").write_text(json.dumps({
+        "benchmark": "scale_limits", "stage": "limits", "commit": "ccc", "date_utc": "2026-01-03T00:00:00Z",
+        "batch": shape, "limits": {"matmul_peak_gflop_s": 100_000.0}}))
+    variants = tmp_path / "train_variants"
+    variants.mkdir()
+    for remat, micro, train_s in (("full", None, 2.0), ("dots", 16, 1.0)):
+        (variants / f"variant_{remat}_{micro or 'whole'}.json").write_text(json.dumps({
+            "commit": "ccc", "batch": {**shape, "remat": remat, "micro_batch_size": micro}, "train_s": train_s,
+            "step_s": train_s + 1, "train_flops": {"flops": 1e14}, "peak_device_gib": 8.0, "planned_gib": 8.0,
+            "peak_device_vs_plan": 1.0, "steps_completed": 3,
+            "rounds": [{"rollout_s": 1.0, "first_step_s": 30.0}]}))
+    (variants / "variant_none_16.partial.json").write_text("{}")  # a variant cut short: left out
+    merged = merge_train_variants(variants, load_parts(tmp_path))
+
+    assert [(v["remat"], v["micro_batch_size"]) for v in merged["variants"]] == [("dots", 16), ("full", None)]
+    assert [v["train_vs_matmul_peak"] for v in merged["variants"]] == pytest.approx([1.0, 0.5])
+    assert merged["batch"] == shape and merged["platform"] == "tpu"
+
+    other = json.loads((variants / "variant_full_whole.json").read_text())
+    other["batch"]["max_new_tokens"] = 64
+    (variants / "variant_full_whole.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different batches"):
+        merge_train_variants(variants, load_parts(tmp_path))
+
+
 def test_identical_work_check_refuses_a_run_that_decoded_other_work():
     """A rollout with a short row, a wider prompt buffer (Tunix widens it for a long prompt) or too few
     trained tokens fails the check, naming what differed; the size's own work passes."""
