@@ -132,7 +132,9 @@ class AlgoSpec(_Strict):
     num_iterations: int = Field(1, ge=1, le=64)
     micro_batch_size: int | None = Field(None, ge=1, le=65536, description=(
         "sequences of the global batch per gradient micro-batch; unset: the whole batch on accelerators, "
-        "micro-batches of at most 8192 token slots per device on CPU (locojax.placement.memory.CPU_MICRO_BATCH_SLOTS)"))
+        "micro-batches of at most 8192 token slots per device on CPU (locojax.placement.memory.CPU_MICRO_BATCH_SLOTS); "
+        "smaller programs can be faster on accelerators too: on a TPU v5e, Qwen3-0.6B bf16's 128 rows of 192 slots "
+        "trained in 1.13 s whole and 0.94-0.97 s as micro-batches of 16-32 rows (bench/results/train_variants_tpu.json)"))
 
 
 class OptimSpec(_Strict):
