@@ -164,6 +164,10 @@ def input_digests(paths: dict[str, Path]) -> dict[str, str]:
     return {name: hashlib.sha256(paths[name].read_bytes()).hexdigest() for name in ("data", "tokenizer")}
 
 
+# The remat policies the peer harness (bench/peers/tunix_grpo_step.py) maps to one of Tunix's own.
+PEER_REMAT = ("none", "full")
+
+
 def make_spec(paths: dict[str, Path], args, name: str, output_dir: Path | None) -> dict:
     spec = {
         "name": name, "seed": args.seed,
@@ -755,6 +759,9 @@ def peer_config(paths, args, peer_steps: int) -> dict:
     # Tunix's Qwen3 always has QK-norm: only a Qwen3 preset is the same model on both sides.
     assert preset.arch == "qwen3" and preset.qk_norm, preset
     spec = RunSpec.model_validate(make_spec(paths, args, "scale-peer", None))
+    if spec.model.remat not in PEER_REMAT:
+        raise SystemExit(f"remat {spec.model.remat} has no Tunix counterpart (its RematConfig keeps nothing or "
+                         f"rematerialises whole decoder layers: {', '.join(PEER_REMAT)}); run with --no-peer")
     task = make_task(TaskSpec(name="gsm8k", path=str(paths["data"])))
     tokenizer = load_tokenizer(paths["tokenizer"])
     # The prompts of steps 0..peer_steps-1, host 0 of 1, as `run_co` draws them (same seed, same JSONL).
@@ -1332,6 +1339,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.peer_only and (not args.peer or args.resume_partial):
         parser.error("--peer-only goes with neither --no-peer nor --resume-partial")
+    if args.peer and not (args.limits_part or args.limits_only) and args.remat not in PEER_REMAT:
+        parser.error(f"--remat {args.remat} has no Tunix counterpart ({', '.join(PEER_REMAT)}): add --no-peer")
     if args.platform == "tpu":
         args.no_rest = True  # no socket can open there
     if args.limits_part:

@@ -20,7 +20,8 @@
 #   size-c-rows  ~7.5 min (9 min): size c's rows search (each side's largest rows, then the rows both fit)
 #   size-c1      ~6 min (9 min): size c, one round per side at the rows both fit (from the search part)
 #   size-c2      ~6 min (9 min): the same, the peer first: c's second round on each side
-#   scale        ~6.5 min (9 min): bench/scale.py at Qwen3-0.6B bf16, 128 rows: 2 rounds of `locojax train`
+#   scale        ~6.5 min (9 min): bench/scale.py at Qwen3-0.6B bf16, 128 rows (trained as micro-batches of
+#                SCALE_MICRO=16 rows under remat SCALE_REMAT=dots): 2 rounds of `locojax train`
 #                (the first with an empty compilation cache, the second from it), a profiled run, the
 #                runs' files in OUTDIR/scale_runs.tar.gz
 #   limits       ~4 min (9 min): bench/scale.py's limits at the same batch (HBM bandwidth, bf16 matmul
