@@ -297,9 +297,11 @@ def merge_train_variants(variants_dir: Path, parts: list[dict]) -> dict | None:
         return None
     limits = [part for part in parts if part.get("benchmark") == "scale_limits"]
     peak = limits[-1]["limits"]["matmul_peak_gflop_s"] * 1e9 if limits else None
-    variants = []
+    variants, shapes = [], set()
     for path in files:
         run = json.loads(path.read_text(encoding="utf-8"))
+        shapes.add(json.dumps({k: v for k, v in run["batch"].items() if k not in ("remat", "micro_batch_size")},
+                              sort_keys=True))
         flops = run["train_flops"]["flops"]
         variants.append({
             "file": path.name, "commit": run["commit"], "remat": run["batch"]["remat"],
@@ -311,8 +313,6 @@ def merge_train_variants(variants_dir: Path, parts: list[dict]) -> dict | None:
             "setup_and_first_step_s": run["rounds"][0]["first_step_s"],
             "steps_completed": run["steps_completed"], "load_average_before": run.get("load_average_before")})
     variants.sort(key=lambda variant: variant["train_s"])
-    shapes = {json.dumps({k: v for k, v in json.loads(p.read_text())["batch"].items()
-                          if k not in ("remat", "micro_batch_size")}, sort_keys=True) for p in files}
     if len(shapes) > 1:
         raise SystemExit(f"{variants_dir}: the variants ran different batches: {sorted(shapes)}")
     return {"benchmark": "train_variants_tpu", "platform": "tpu",
