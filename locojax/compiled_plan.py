@@ -90,15 +90,23 @@ PROGRAM_TERMS = {"train": "train step's temporaries (activations, gradients, log
 PEAK_ANALYSIS_PLATFORMS = frozenset({"tpu"})
 
 
+def program_temporaries(analysis, platform: str) -> float:
+    """Bytes a compiled program (`analysis`: its `memory_analysis()`) needs while it runs beyond its
+    arguments and its outputs that do not overwrite a donated argument, as the plan counts them on
+    `platform`: XLA's temporary allocation, or on PEAK_ANALYSIS_PLATFORMS its heap simulation's peak
+    (a v5e reported a temporary allocation of 0 for small programs that still need memory)."""
+    if platform not in PEAK_ANALYSIS_PLATFORMS:
+        return float(analysis.temp_size_in_bytes)
+    outputs = max(0.0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+    return max(0.0, analysis.peak_memory_in_bytes - analysis.argument_size_in_bytes - outputs)
+
+
 def _transient(analysis, argument_bytes: float, platform: str) -> dict[str, float]:
     """What a program needs beyond the persistent buffers among its arguments: its temporaries, the
     rest of its arguments, and the outputs that do not overwrite a donated argument."""
     inputs = max(0.0, analysis.argument_size_in_bytes - argument_bytes)
     outputs = max(0.0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
-    temporaries = float(analysis.temp_size_in_bytes)
-    if platform in PEAK_ANALYSIS_PLATFORMS:
-        temporaries = max(0.0, analysis.peak_memory_in_bytes - analysis.argument_size_in_bytes - outputs)
-    return {"temporaries": temporaries, "inputs": inputs, "outputs": outputs}
+    return {"temporaries": program_temporaries(analysis, platform), "inputs": inputs, "outputs": outputs}
 
 
 def compiled_plan(*, train_step: Callable, abstract_state: Any, abstract_batch: dict, devices: Sequence[jax.Device],

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from locojax.compiled_plan import program_temporaries
 from locojax.model import PRESETS, create_model, forward, get_preset, init_cache, param_count, positions_from_mask
 from locojax.model.config import PUBLISHED_PARAMS, UNROLLED_LAYERS_MAX, ModelConfig
 from locojax.model.sharding import batch_sharding, logical_to_spec, make_mesh, shard_state
@@ -346,8 +347,8 @@ def test_a_scanned_forward_with_output_slots_keeps_no_second_copy_of_the_weights
 
     trained, frozen = (split_adapters(params)[::-1] if lora else (params, nnx.State({})))
     compiled = jax.jit(jax.grad(loss)).lower(trained, frozen, tokens, mask).compile()
-    temporaries = compiled.memory_analysis().temp_size_in_bytes
-    assert temporaries < 0.6 * weight_bytes, (temporaries / 2**20, weight_bytes / 2**20)
+    temporaries = program_temporaries(compiled.memory_analysis(), jax.devices()[0].platform)  # as the plan counts
+    assert 0 < temporaries < 0.6 * weight_bytes, (temporaries / 2**20, weight_bytes / 2**20)
 
 
 def test_remat_dots_keeps_the_matmul_outputs_so_its_backward_recomputes_no_matmul():
@@ -366,7 +367,8 @@ def test_remat_dots_keeps_the_matmul_outputs_so_its_backward_recomputes_no_matmu
             return forward(graphdef, p, tokens, positions, mask, output_slots=(16, 64), remat=remat)[0].mean()
 
         compiled = jax.jit(jax.grad(loss)).lower(params, tokens, mask).compile()
-        temporaries[remat] = compiled.memory_analysis().temp_size_in_bytes
+        # As the memory plan counts them: a v5e's temp_size_in_bytes was 0 for all three programs (a46af8b).
+        temporaries[remat] = program_temporaries(compiled.memory_analysis(), jax.devices()[0].platform)
         cost = compiled.cost_analysis()
         flops[remat] = (cost[0] if isinstance(cost, list) else cost)["flops"]
     assert temporaries["full"] < temporaries["dots"] < 0.7 * temporaries["none"], temporaries
