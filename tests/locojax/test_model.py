@@ -285,10 +285,11 @@ def test_building_a_model_lets_each_layers_copy_go_once_its_weight_is_stacked():
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_building_the_layers_in_place_gives_the_stacked_models_values_bit_for_bit(monkeypatch, tie):
-    """On accelerators the decoder is built in place: each layer, as it is drawn, is written into the
-    stacked weights (donated) and dropped, so the build peaks at the model plus one layer. Forced here on
-    XLA:CPU, it gives the very model stacking the finished layers gives: every weight and adapter (drawn
-    after the base, so the base is the same with or without LoRA), its axes, the same graph."""
+    """On accelerators the decoder is built in place, eagerly: each layer, as it is drawn, is written into
+    the stacked weights (donated) and dropped, so the build peaks at the model plus one layer. Forced here
+    on XLA:CPU, it gives the very model XLA:CPU's own build gives (one compiled program stacking the
+    finished layers): every weight and adapter (drawn after the base, so the base is the same with or
+    without LoRA), its axes, the same graph."""
     from locojax.model import LoRAConfig
     from locojax.model import transformer
 
@@ -315,6 +316,25 @@ def test_building_the_layers_in_place_gives_the_stacked_models_values_bit_for_bi
     for path, variable in built:
         if "lora" not in path[-1]:
             np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(base[path][...]), err_msg=str(path))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="accelerators draw the decoder eagerly, layer by layer")
+def test_building_a_model_on_xla_cpu_compiles_one_program():
+    """Every process that builds a model compiles what the build needs (a test run starts hundreds):
+    drawn weight by weight, a tiny model's build compiled ~20 small programs; on XLA:CPU it is one. The
+    shape here is one no other test builds, so nothing is served from JAX's in-memory caches."""
+    compiled = []
+
+    def count(name, *_, **__):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiled.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        create_model(get_preset("tiny").replace(d_model=40, d_ff=72, vocab_size=392), seed=11)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(compiled) == 1, compiled
 
 
 @pytest.mark.parametrize("lora", [False, True])
