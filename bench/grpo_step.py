@@ -706,8 +706,11 @@ def summarise(per_run: list[dict], rows: int | None = None) -> dict:
     locojax_step_s = statistics.median(our_periods)
     our_round_medians = [statistics.median(run["periods_s"]) for run in ours]
     profiles = [run["profile"] for run in ours if run.get("profile") and "error" not in run["profile"]]
-    peaks = [(run["peak_device_gib"], run["planned_gib"]) for run in ours
-             if run.get("peak_device_gib") and not run.get("peak_device_after_failed_attempt")]
+    # Each run against its own plan; pooled across parts (bench/tpu_merge.py tags each run with its part's
+    # date), the newest part's runs speak for the plan, since an older commit's plan may have changed since.
+    peaks = [(run.get("part_date_utc", ""), run["peak_device_gib"], run["planned_gib"]) for run in ours
+             if run.get("peak_device_gib") and run.get("planned_gib") and not run.get("peak_device_after_failed_attempt")]
+    newest = max(peaks, default=None)
     figures.update({
         "locojax_step_s": locojax_step_s,
         **{name: statistics.median(v for run in ours for v in run["phases_s"][name]) for name in PHASES},
@@ -719,9 +722,10 @@ def summarise(per_run: list[dict], rows: int | None = None) -> dict:
         "locojax_spread": _spread(our_round_medians),
         "device_idle_fraction": profiles[-1]["device_idle_fraction"] if profiles else None,
         "profile": profiles[-1] if profiles else None,
-        "peak_device_gib": max(p for p, _ in peaks) if peaks else None,
-        "planned_gib": ours[0].get("planned_gib"),
-        "peak_device_vs_plan": max(p for p, _ in peaks) / peaks[0][1] if peaks and peaks[0][1] else None,
+        "peak_device_gib": newest[1] if newest else None,
+        "planned_gib": newest[2] if newest else ours[0].get("planned_gib"),
+        "peak_device_vs_plan": newest[1] / newest[2] if newest else None,
+        "peak_device_vs_plan_per_run": [peak / plan for _, peak, plan in peaks],
     })
     if not peer:
         return {**figures, "peer_step_s": None, "ratio_vs_peer": None,

@@ -127,7 +127,8 @@ def merge_size(size: str, parts: list[dict]) -> dict:
     searches = [part["rows_search"] for part in parts if part.get("rows_search")]
     search = searches[-1] if searches else None
     rows = search["rows_both_fit"] if search and search.get("rows_both_fit") else parts[-1].get("rows")
-    pooled = [run for part in parts for run in part.get("per_run", [])]
+    pooled = [{**run, "part_date_utc": part.get("date_utc", ""), "part_commit": part.get("commit")}
+              for part in parts for run in part.get("per_run", [])]
     record, mixed = parts_record(parts)
     figures = summarise(pooled, rows)
     merged = {**figures, "workload": {**parts[-1].get("workload", {}), "rows": rows},

@@ -108,6 +108,27 @@ def test_merge_pools_size_c_rounds_at_the_rows_both_fit_and_marks_mixed_commits(
     assert merged["sizes"]["a"]["ratio_vs_peer"] == pytest.approx(0.06 / 0.05)
 
 
+def test_merged_peak_against_plan_comes_from_the_newest_part_when_the_plan_changed_between_commits(tmp_path):
+    """Size c's rounds from two commits whose memory plans differ for the same run (one engine change
+    apart): each run is set against its own plan, every ratio is listed, and the headline is the newest
+    part's, not the largest peak over the oldest part's plan."""
+    from bench.tpu_merge import load_parts, merge_grpo
+
+    older = {**_grpo_part("size-c1", "old", "c", [_run("locojax", 16, [0.6], peak=3.0), _run("tunix", 16, [1.0])]),
+             "date_utc": "2026-01-01T00:00:00Z"}
+    newer = {**_grpo_part("size-c2", "new", "c", [_run("tunix", 16, [1.1], round_index=1),
+                                                   {**_run("locojax", 16, [0.7], round_index=1, peak=3.0),
+                                                    "planned_gib": 3.1}]),
+             "date_utc": "2026-01-02T00:00:00Z"}
+    (tmp_path / "part_size-c1.json").write_text(json.dumps(older))
+    (tmp_path / "part_size-c2.json").write_text(json.dumps(newer))
+    c = merge_grpo(load_parts(tmp_path))["sizes"]["c"]
+
+    assert c["peak_device_vs_plan"] == pytest.approx(3.0 / 3.1) and c["planned_gib"] == 3.1
+    assert sorted(c["peak_device_vs_plan_per_run"]) == pytest.approx([0.75, 3.0 / 3.1])
+    assert {run["part_commit"] for run in c["per_run"]} == {"old", "new"}
+
+
 def test_lora_merge_reports_our_largest_rows_and_compares_with_the_peer_at_the_rows_both_fit(tmp_path):
     """lora_tpu.json: the model's figures are ours at the largest rows we fit (64), with that run's peak
     vs plan; ratio_vs_peer is at the rows both fit (16), and the throughput ratio sets each side's largest

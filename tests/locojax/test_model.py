@@ -337,6 +337,12 @@ def test_building_a_model_on_xla_cpu_compiles_one_program():
     assert len(compiled) == 1, compiled
 
 
+# Counted as the memory plan counts a TPU's programs (their peak beyond the arguments), this program held
+# 105 MiB against 48 MiB of float32 weights on a v5e at f4e92159 (with LoRA: 48.6 MiB, one weights' worth),
+# where temp_size_in_bytes had said 0 and the test passed without measuring anything. Not yet explained
+# (layout copies of the weights for the backward's dots?); strict, so the day it holds there this fails.
+@pytest.mark.xfail(jax.default_backend() == "tpu", strict=True,
+                   reason="a v5e's compiled train step holds about a weights' worth of temporaries here (f4e92159)")
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_scanned_forward_with_output_slots_keeps_no_second_copy_of_the_weights(lora):
     """Training scores the completion's slots only (`output_slots`). Cutting the last layer off the

