@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from locojax import metrics as m
 from locojax.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, token_mean_weights
@@ -155,8 +155,23 @@ def init_train_state(params: nnx.State, optimizer: Optimizer, seed: int | jax.Ar
         frozen, params = split_adapters(params)
         if not jax.tree.leaves(params):
             raise ValueError("lora=True but the model holds no adapters (ModelConfig.lora is None)")
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.tx.init(params), rng=rng,
-                      frozen=frozen)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=fresh_optimizer_state(optimizer.tx, params),
+                      rng=rng, frozen=frozen)
+
+
+def fresh_optimizer_state(tx: optax.GradientTransformation, params: nnx.State) -> optax.OptState:
+    """`tx.init(params)` as one compiled program, each params-shaped leaf placed as its parameter is and
+    the rest (step counts) replicated over the same devices: run eagerly, every leaf shape compiled its
+    own zeros (10 programs for the tiny model, in each process that starts a run)."""
+    shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(params)]
+    if not shardings or None in shardings:  # host arrays: nothing to place by
+        return tx.init(params)
+    whole = (NamedSharding(shardings[0].mesh, PartitionSpec()) if isinstance(shardings[0], NamedSharding)
+             else shardings[0])
+    placed = optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+                                   jax.tree.map(lambda leaf: leaf.sharding, params),
+                                   transform_non_params=lambda _: whole)
+    return jax.jit(tx.init, out_shardings=placed)(params)
 
 
 def _donating_step(step_fn, compiler_options: CompilerOptions) -> StepFn:
