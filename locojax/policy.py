@@ -64,11 +64,12 @@ def abstract_policy(spec: RunSpec) -> Policy:
     return Policy(config, graphdef, params, load_tokenizer(spec.model.tokenizer))
 
 
-def load_policy(spec: RunSpec) -> Policy:
+def load_policy(spec: RunSpec, mesh: Mesh | None = None) -> Policy:
     """The starting policy: a preset initialised from the run's seed, or a local HF checkpoint
     directory (e.g. `<output_dir>/model` of an SFT run). Every host builds bit-identical params.
     With model.lora the model carries adapters: fresh ones (B = 0: the base model's outputs), or those
-    of the saved adapter `model.lora.init_from`."""
+    of the saved adapter `model.lora.init_from`. `mesh`: a preset's fresh weights are drawn where
+    `shard_state` would place them on it (`create_model`), which saves compiling the placement."""
     tokenizer = load_tokenizer(spec.model.tokenizer)
     if spec.model.checkpoint:
         from locojax.model.hf import load_hf_checkpoint
@@ -83,7 +84,7 @@ def load_policy(spec: RunSpec) -> Policy:
 
             model = with_adapters(model, lora_config(spec), spec.seed)
     else:
-        model = create_model(_policy_config(spec), seed=spec.seed)
+        model = create_model(_policy_config(spec), seed=spec.seed, mesh=mesh)
     if spec.model.lora is not None and spec.model.lora.init_from:
         from locojax.model.hf import load_peft_adapter
 

@@ -29,8 +29,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from locojax.model.config import LoRAConfig, ModelConfig, lora_projection_dims
+from locojax.model.sharding import state_shardings
 
 LAYER_AXIS = "layers"  # the logical name of the stacked parameters' leading axis
 
@@ -627,18 +629,25 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def create_model(config: ModelConfig, seed: int = 0) -> Transformer:
+def create_model(config: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Transformer:
     """A model with weights drawn from `seed`, the same bits on every backend and every host.
 
     On XLA:CPU the whole draw is one compiled program. Drawn eagerly, each weight shape compiled its own
     small programs (a normal, a scale, a cast, a stack per stacked weight): ~20 compilations, 0.8 s of a
-    tiny model's cold start in every process that builds one, and a test run starts hundreds. On
-    accelerators the decoder is drawn layer by layer and written in place (`_build_layers`), so the
-    build's peak is the model plus one layer, as measured on a v5e; one program would leave that peak
-    to XLA's scheduler."""
+    tiny model's cold start in every process that builds one, and a test run starts hundreds. With
+    `mesh`, that program also puts each weight where `shard_state` would on the mesh (every process of a
+    job draws the same bits): placing process-local weights on a mesh across processes compiled one more
+    program per weight shape (16 for the tiny model). On accelerators the decoder is drawn layer by layer
+    and written in place (`_build_layers`; `mesh` is then left to `shard_state`), so the build's peak is
+    the model plus one layer, as measured on a v5e; one program would leave that peak to XLA's scheduler."""
     if BUILD_LAYERS_IN_PLACE.get(jax.default_backend(), True):
         return Transformer(config, rngs=nnx.Rngs(params=seed))
-    return _create_in_one_program(config, seed)
+    if mesh is None:
+        return _create_in_one_program(config, seed)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=seed))))
+    draw = jax.jit(lambda: nnx.split(Transformer(config, rngs=nnx.Rngs(params=seed)))[1],
+                   out_shardings=state_shardings(abstract, mesh))
+    return nnx.merge(graphdef, draw())
 
 
 @functools.partial(nnx.jit, static_argnums=(0, 1))

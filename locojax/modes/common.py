@@ -331,7 +331,7 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
     if not plans_by_compiling(local[0].platform):
         check_spec_fits(spec, local, jax.process_count(), samples=samples)
         model_started = time.perf_counter()
-        policy = load_policy(spec)
+        policy = load_policy(spec, mesh)
         train_step = _train_step(spec, policy.graphdef, optimizer, mesh, samples)
     else:
         compile_started = time.perf_counter()

@@ -337,6 +337,41 @@ def test_building_a_model_on_xla_cpu_compiles_one_program():
     assert len(compiled) == 1, compiled
 
 
+@pytest.mark.usefixtures("four_cpu_devices")
+def test_a_model_drawn_onto_a_mesh_is_the_drawn_model_sharded_in_one_program():
+    """`create_model(..., mesh=...)` (how a run builds its fresh policy) draws every weight and adapter
+    straight into the place `shard_state` gives it: the same bits, shardings, axes and graph, in one
+    compiled program on XLA:CPU, where placing the drawn weights compiled one more per weight shape."""
+    from locojax.model import LoRAConfig
+
+    config = get_preset("tiny").replace(d_model=48, d_ff=80, lora=LoRAConfig(
+        rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down")))
+    mesh = make_mesh(fsdp=2, tensor=2)
+    compiled = []
+
+    def count(name, *_, **__):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiled.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        placed = create_model(config, seed=5, mesh=mesh)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    drawn = create_model(config, seed=5)
+    expected = nnx.to_flat_state(shard_state(nnx.state(drawn), mesh))
+    built = nnx.to_flat_state(nnx.state(placed))
+    assert nnx.graphdef(placed) == nnx.graphdef(drawn)
+    assert [path for path, _ in built] == [path for path, _ in expected]
+    for (path, variable), (_, reference) in zip(built, expected):
+        assert variable.get_metadata()["axes"] == reference.get_metadata()["axes"], path
+        assert variable[...].sharding == reference[...].sharding, path
+        np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(reference[...]), err_msg=str(path))
+    assert any(len(variable[...].sharding.device_set) == 4 for _, variable in built)
+    if jax.default_backend() == "cpu":
+        assert len(compiled) == 1, compiled
+
+
 # Counted as the memory plan counts a TPU's programs (their peak beyond the arguments), this program held
 # 105 MiB against 48 MiB of float32 weights on a v5e at f4e92159 (with LoRA: 48.6 MiB, one weights' worth),
 # where temp_size_in_bytes had said 0 and the test passed without measuring anything. Not yet explained
