@@ -28,6 +28,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -640,19 +641,25 @@ def create_model(config: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -
     program per weight shape (16 for the tiny model). On accelerators the decoder is drawn layer by layer
     and written in place (`_build_layers`; `mesh` is then left to `shard_state`), so the build's peak is
     the model plus one layer, as measured on a v5e; one program would leave that peak to XLA's scheduler."""
-    if BUILD_LAYERS_IN_PLACE.get(jax.default_backend(), True):
+    if BUILD_LAYERS_IN_PLACE.get(jax.default_backend(), True) or not 0 <= seed < 2**31:
         return Transformer(config, rngs=nnx.Rngs(params=seed))
+    seed_value = np.int32(seed)  # an argument, not a constant: one program serves every seed
     if mesh is None:
-        return _create_in_one_program(config, seed)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=seed))))
-    draw = jax.jit(lambda: nnx.split(Transformer(config, rngs=nnx.Rngs(params=seed)))[1],
+        return _create_in_one_program(config, seed_value)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _seeded_transformer(config, seed_value)))
+    draw = jax.jit(lambda value: nnx.split(_seeded_transformer(config, value))[1],
                    out_shardings=state_shardings(abstract, mesh))
-    return nnx.merge(graphdef, draw())
+    return nnx.merge(graphdef, draw(seed_value))
 
 
-@functools.partial(nnx.jit, static_argnums=(0, 1))
-def _create_in_one_program(config: ModelConfig, seed: int) -> Transformer:
-    return Transformer(config, rngs=nnx.Rngs(params=seed))
+def _seeded_transformer(config: ModelConfig, seed: jax.Array) -> Transformer:
+    # jax.random.key of an int32 seed draws what nnx.Rngs(params=seed) of the Python int does.
+    return Transformer(config, rngs=nnx.Rngs(params=jax.random.key(seed)))
+
+
+@functools.partial(nnx.jit, static_argnums=0)
+def _create_in_one_program(config: ModelConfig, seed: jax.Array) -> Transformer:
+    return _seeded_transformer(config, seed)
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens, positions, kv_mask, cache=None, cache_index=0,

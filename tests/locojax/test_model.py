@@ -322,7 +322,8 @@ def test_building_the_layers_in_place_gives_the_stacked_models_values_bit_for_bi
 def test_building_a_model_on_xla_cpu_compiles_one_program():
     """Every process that builds a model compiles what the build needs (a test run starts hundreds):
     drawn weight by weight, a tiny model's build compiled ~20 small programs; on XLA:CPU it is one. The
-    shape here is one no other test builds, so nothing is served from JAX's in-memory caches."""
+    shape here is one no other test builds, so nothing is served from JAX's in-memory caches; the seed
+    is the program's argument, so a run of another seed reuses it."""
     compiled = []
 
     def count(name, *_, **__):
@@ -330,8 +331,11 @@ def test_building_a_model_on_xla_cpu_compiles_one_program():
             compiled.append(name)
 
     jax.monitoring.register_event_duration_secs_listener(count)
+    config = get_preset("tiny").replace(d_model=40, d_ff=72, vocab_size=392)
     try:
-        create_model(get_preset("tiny").replace(d_model=40, d_ff=72, vocab_size=392), seed=11)
+        create_model(config, seed=11)
+        assert len(compiled) == 1, compiled
+        create_model(config, seed=12)  # the seed is the program's argument: another seed compiles nothing
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert len(compiled) == 1, compiled
