@@ -1,5 +1,6 @@
 """The decoder: catalog sizes, KV-cache consistency, sharded execution, scanned vs unrolled layers."""
 
+import contextlib
 import functools
 
 import jax
@@ -318,26 +319,33 @@ def test_building_the_layers_in_place_gives_the_stacked_models_values_bit_for_bi
             np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(base[path][...]), err_msg=str(path))
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="accelerators draw the decoder eagerly, layer by layer")
-def test_building_a_model_on_xla_cpu_compiles_one_program():
-    """Every process that builds a model compiles what the build needs (a test run starts hundreds):
-    drawn weight by weight, a tiny model's build compiled ~20 small programs; on XLA:CPU it is one. The
-    shape here is one no other test builds, so nothing is served from JAX's in-memory caches; the seed
-    is the program's argument, so a run of another seed reuses it."""
-    compiled = []
+@contextlib.contextmanager
+def compilations():
+    """The programs XLA compiles while the block runs (one entry each), from JAX's own monitoring events."""
+    compiled: list[str] = []
 
     def count(name, *_, **__):
         if name == "/jax/core/compile/backend_compile_duration":
             compiled.append(name)
 
     jax.monitoring.register_event_duration_secs_listener(count)
-    config = get_preset("tiny").replace(d_model=40, d_ff=72, vocab_size=392)
     try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="accelerators draw the decoder eagerly, layer by layer")
+def test_building_a_model_on_xla_cpu_compiles_one_program():
+    """Every process that builds a model compiles what the build needs (a test run starts hundreds):
+    drawn weight by weight, a tiny model's build compiled ~20 small programs; on XLA:CPU it is one. The
+    shape here is one no other test builds, so nothing is served from JAX's in-memory caches; the seed
+    is the program's argument, so a run of another seed reuses it."""
+    config = get_preset("tiny").replace(d_model=40, d_ff=72, vocab_size=392)
+    with compilations() as compiled:
         create_model(config, seed=11)
         assert len(compiled) == 1, compiled
         create_model(config, seed=12)  # the seed is the program's argument: another seed compiles nothing
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert len(compiled) == 1, compiled
 
 
@@ -351,17 +359,8 @@ def test_a_model_drawn_onto_a_mesh_is_the_drawn_model_sharded_in_one_program():
     config = get_preset("tiny").replace(d_model=48, d_ff=80, lora=LoRAConfig(
         rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down")))
     mesh = make_mesh(fsdp=2, tensor=2)
-    compiled = []
-
-    def count(name, *_, **__):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiled.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with compilations() as compiled:
         placed = create_model(config, seed=5, mesh=mesh)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     drawn = create_model(config, seed=5)
     expected = nnx.to_flat_state(shard_state(nnx.state(drawn), mesh))
     built = nnx.to_flat_state(nnx.state(placed))
