@@ -113,10 +113,18 @@ class Workload:
     lora_rank: int = 0  # > 0: LoRA on every linear layer (ours: model.lora; Tunix: qwix), alpha = lora_alpha
     lora_alpha: float = 0.0
     scan_layers: str = "auto"  # ours only: model.scan_layers ("auto", "true", "false")
+    # Ours only: algo.micro_batch_size (rows per gradient micro-batch, the same update as the whole batch;
+    # None: the engine's default). The peer trains its whole batch at once.
+    micro_batch_size: int | None = None
 
     @property
     def rows(self) -> int:
         return self.prompts * self.group
+
+    def trains_whole_micro_batches(self, prompts: int) -> bool:
+        """Whether `prompts` prompts' rows split into whole micro-batches (the engine refuses a remainder)."""
+        rows = prompts * self.group
+        return self.micro_batch_size is None or rows <= self.micro_batch_size or rows % self.micro_batch_size == 0
 
     def with_prompts(self, prompts: int) -> "Workload":
         return dataclasses.replace(self, prompts=prompts)
@@ -126,7 +134,7 @@ class Workload:
         return types.SimpleNamespace(seed=SEED, dtype=self.dtype, remat=self.remat, prompts=self.prompts,
                                      group=self.group, prompt_tokens=self.prompt_slots,
                                      new_tokens=self.new_tokens, steps=steps, model_preset=self.preset,
-                                     micro_batch_size=None)
+                                     micro_batch_size=self.micro_batch_size)
 
 
 SIZES = {
@@ -175,7 +183,8 @@ def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs:
         rollout=RolloutSpec(prompts_per_step=work.prompts, group_size=work.group, max_prompt_tokens=work.prompt_slots,
                             max_new_tokens=work.new_tokens, temperature=1.0, top_p=1.0, top_k=0),
         algo=AlgoSpec(name="grpo", clip_eps=CLIP_EPS, clip_eps_high=None, kl_coef=work.kl_coef,
-                      loss_agg="seq_mean_token_mean", num_iterations=NUM_ITERATIONS),
+                      loss_agg="seq_mean_token_mean", num_iterations=NUM_ITERATIONS,
+                      micro_batch_size=work.micro_batch_size),
         optim=OptimSpec(lr=LR, warmup_steps=0, decay="constant", grad_clip=GRAD_CLIP, weight_decay=0.0),
         steps=steps,
         checkpoint=CheckpointSpec(every=0),
@@ -449,7 +458,7 @@ def workload_from_args(args) -> Workload:
     work = SIZES[args.size]
     if args.model_preset:
         work = dataclasses.replace(work, preset=args.model_preset)
-    return dataclasses.replace(work, scan_layers=args.scan_layers)
+    return dataclasses.replace(work, scan_layers=args.scan_layers, micro_batch_size=args.micro_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +640,8 @@ def peer_candidates(work: Workload, capacity_bytes: float, max_prompts: int) -> 
 def search_rows(orchestrator: Orchestrator, work: Workload, args) -> dict:
     """Size c: each side's largest rows (its own accounting picks, a run verifies), then the rows both
     fit, with a run of the side that ran larger at those rows."""
-    ours = orchestrator.run("locojax", work, None, candidates=[p for p in C_PROMPTS if p <= args.max_prompts])
+    ours = orchestrator.run("locojax", work, None, candidates=[p for p in C_PROMPTS if p <= args.max_prompts
+                                                               and work.trains_whole_micro_batches(p)])
     record = {"locojax": {"largest_rows": ours["rows"] if ours and ours["ok"] else None,
                           "attempts": ours.get("attempts", []) if ours else []}}
     capacity = ((ours or {}).get("device") or {}).get("bytes_limit")
@@ -775,7 +785,8 @@ def workload_record(work: Workload, args) -> dict:
     record = {"size": work.size, "preset": work.preset, "dtype": work.dtype, "devices_per_side": 1,
               "prompts": work.prompts, "group_size": work.group, "rows": work.rows, "new_tokens": work.new_tokens,
               "prompt_slots": work.prompt_slots, "early_stop": False, "temperature": 1.0, "kl_coef": work.kl_coef,
-              "remat": work.remat, "num_iterations": NUM_ITERATIONS, "scan_layers": work.scan_layers}
+              "remat": work.remat, "num_iterations": NUM_ITERATIONS, "scan_layers": work.scan_layers,
+              "micro_batch_size": work.micro_batch_size}
     if work.lora_rank:
         record.update(lora={"rank": work.lora_rank, "alpha": work.lora_alpha, "targets": LORA_TARGETS,
                             "peer": "qwix LoraProvider on every linear layer (Tunix's own recipe)"})
@@ -795,6 +806,10 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="a")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="our side's model.scan_layers (default auto: the engine's choice for the platform)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="our side's algo.micro_batch_size (rows per gradient micro-batch, the same update; e.g. "
+                             "16 lets the 4B LoRA train step fit 64 rows, whose whole batch the plan refused); "
+                             "the peer trains its whole batch")
     parser.add_argument("--platform", choices=("cpu", "tpu"), default="cpu",
                         help="where both sides run; tpu: JAX_PLATFORMS unset, the peer from --peer-python")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 9; size c 6)")

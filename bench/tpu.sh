@@ -42,7 +42,9 @@
 #                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
 #                fit, 2 rounds; not in the default list (LORA_ARGS="--peer-at-our-rows --rounds 1": the peer first
 #                tries our largest rows, for its own error there, which costs it one failed run)
-#   lora-4b      ~8 min (9 min): the same at Qwen3-4B, 1 round; not in the default list
+#   lora-4b      ~8 min (9 min): the same at Qwen3-4B, 1 round; not in the default list (at a46af8b the plan
+#                refused 64 rows for the whole batch's train step, 14.54 GiB of 14.17, and fit 48;
+#                LORA_ARGS="--micro-batch-size 16" trains our side in micro-batches of 16 rows, the same update)
 #   full-ft      ~5 min (9 min): bench/full_ft.py (issue 40): full fine-tuning (bfloat16, remat full, LoRA's 96 + 256
 #                tokens, 64 rows) of the larger of qwen3-1.7b and -0.6b the memory plan lets run, tried largest
 #                first; each refusal and the run that fits (its peak against the plan) -> part_full-ft.json; not in

@@ -304,6 +304,7 @@ class _SidesByRows:
 
     def run(self, side, work, round_index, candidates=None):
         if candidates:  # our side's own search, in one process: the largest candidate it holds
+            self.candidates = list(candidates)
             rows = max(p * work.group for p in candidates if p * work.group <= self.holds[side])
             out = {"ok": True, "rows": rows, "attempts": []}
         else:
@@ -350,3 +351,20 @@ def test_first_step_counts_compilation_and_step_zero_not_opening_the_chip_or_bui
     # An engine that did not name its setup's parts cannot be read on this clock.
     assert loop_first_step_s({"first_step_s": 46.5, "setup_parts_s": {"time/setup_compile": 25.5}}) is None
     assert loop_first_step_s({"first_step_s": None, "setup_parts_s": parts}) is None
+
+
+def test_our_rows_search_tries_only_rows_that_split_into_whole_micro_batches():
+    """--micro-batch-size 16 (the 4B LoRA step at 64 rows): our side's candidates leave out 24 rows, which
+    the engine would refuse to split into micro-batches of 16, and keep 8, which trains as one."""
+    import dataclasses
+
+    from bench import grpo_step
+
+    work = dataclasses.replace(grpo_step.SIZES["lora"], preset="qwen3-4b", micro_batch_size=16)
+    sides = _SidesByRows({"locojax": 64, "tunix": 8})
+    args = SimpleNamespace(max_prompts=8, peer_max_prompts=8, platform="tpu", peer_capacity_gib=15.75,
+                           peer_at_our_rows=False)
+    grpo_step.search_rows(sides, work, args)
+    assert [p * work.group for p in sides.candidates] == [64, 48, 32, 16, 8]
+    assert work.scale_args(3).micro_batch_size == 16  # what bench/scale.py's make_spec puts in algo
+    assert grpo_step.make_spec(dataclasses.replace(grpo_step.SIZES["a"], micro_batch_size=32), 3).algo.micro_batch_size == 32
