@@ -122,9 +122,15 @@ class Workload:
         return self.prompts * self.group
 
     def trains_whole_micro_batches(self, prompts: int) -> bool:
-        """Whether `prompts` prompts' rows split into whole micro-batches (the engine refuses a remainder)."""
-        rows = prompts * self.group
-        return self.micro_batch_size is None or rows <= self.micro_batch_size or rows % self.micro_batch_size == 0
+        """Whether the engine takes `prompts` prompts' rows in micro-batches of micro_batch_size (it refuses
+        a remainder): its own rule, locojax.placement.memory.num_micro_batches."""
+        from locojax.placement.memory import num_micro_batches
+
+        try:
+            num_micro_batches(prompts * self.group, self.micro_batch_size)
+        except ValueError:
+            return False
+        return True
 
     def with_prompts(self, prompts: int) -> "Workload":
         return dataclasses.replace(self, prompts=prompts)

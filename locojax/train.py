@@ -168,10 +168,15 @@ def fresh_optimizer_state(tx: optax.GradientTransformation, params: nnx.State) -
         return tx.init(params)
     whole = (NamedSharding(shardings[0].mesh, PartitionSpec()) if isinstance(shardings[0], NamedSharding)
              else shardings[0])
-    placed = optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
-                                   jax.tree.map(lambda leaf: leaf.sharding, params),
-                                   transform_non_params=lambda _: whole)
+    placed = optimizer_state_shardings(tx, jax.eval_shape(tx.init, params),
+                                       jax.tree.map(lambda leaf: leaf.sharding, params), whole)
     return jax.jit(tx.init, out_shardings=placed)(params)
+
+
+def optimizer_state_shardings(tx: optax.GradientTransformation, opt_state, param_shardings, replicated):
+    """`opt_state`'s shardings: each params-shaped part as `param_shardings`, the rest `replicated`."""
+    return optax.tree_map_params(tx, lambda _, sharding: sharding, opt_state, param_shardings,
+                                 transform_non_params=lambda _: replicated)
 
 
 def _donating_step(step_fn, compiler_options: CompilerOptions) -> StepFn:

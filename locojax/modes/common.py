@@ -19,7 +19,6 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -54,6 +53,7 @@ from locojax.train import (
     make_optimizer,
     make_sft_step,
     make_train_step,
+    optimizer_state_shardings,
 )
 
 
@@ -444,8 +444,7 @@ def train_state_shardings(state: TrainState, optimizer, mesh: jax.sharding.Mesh)
     rules (FSDP/tensor on those mesh axes); the step counter, key and scalars replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
-    opt_shardings = optax.tree_map_params(optimizer.tx, lambda _, sharding: sharding, state.opt_state,
-                                          param_shardings, transform_non_params=lambda _: replicated)
+    opt_shardings = optimizer_state_shardings(optimizer.tx, state.opt_state, param_shardings, replicated)
     frozen = None if state.frozen is None else jax.tree.map(lambda x: x.sharding, state.frozen)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated,
                       frozen=frozen)
