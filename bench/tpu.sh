@@ -45,6 +45,10 @@
 #   lora-4b      ~8 min (9 min): the same at Qwen3-4B, 1 round; not in the default list (at a46af8b the plan
 #                refused 64 rows for the whole batch's train step, 14.54 GiB of 14.17, and fit 48;
 #                LORA_ARGS="--micro-batch-size 16" trains our side in micro-batches of 16 rows, the same update)
+#   lora-rollout ~5 min (9 min): our side alone at Qwen3-1.7B LoRA, 16 rows (LORA_ROLLOUT_ROWS), model.lora.rollout
+#                adapters and merged alternating (A M M A, one run and part each, --peer none): whether folding
+#                the adapters in once per rollout beats the low-rank path at every decode step; the merge sets
+#                each setting against lora-1.7b's peer runs; not in the default list
 #   full-ft      ~5 min (9 min): bench/full_ft.py (issue 40): full fine-tuning (bfloat16, remat full, LoRA's 96 + 256
 #                tokens, 64 rows) of the larger of qwen3-1.7b and -0.6b the memory plan lets run, tried largest
 #                first; each refusal and the run that fits (its peak against the plan) -> part_full-ft.json; not in
@@ -176,6 +180,27 @@ grpo() {  # STAGE SIZE ARGS ...
     --out "$out/part_$name.json" ${GRPO_ARGS:-} "$@"
 }
 
+lora_rollout() {  # issue 40: our side alone at the rows both fit (16), model.lora.rollout adapters and merged
+  # alternating (A M M A), each run its own part; bench/tpu_merge.py sets each setting against the peer's
+  # runs of the lora-1.7b part.
+  local started=$SECONDS index=0 rollout left failed=0
+  for rollout in adapters merged merged adapters; do
+    left=$((stage_limit - 30 - (SECONDS - started)))
+    if [ "$left" -lt 100 ]; then
+      echo "lora-rollout: $rollout (run $index) not started, ${left}s of the stage left"
+      failed=1
+      break
+    fi
+    # shellcheck disable=SC2086
+    "$py" bench/grpo_step.py --platform "$platform" --size lora --stage "lora-rollout-$index-$rollout" \
+      --budget-s "$left" --side-timeout 300 --peer none --rows "${LORA_ROLLOUT_ROWS:-16}" --rounds 1 \
+      --profile-steps 0 --lora-rollout "$rollout" --work "$work" --logs "$out/logs/lora-rollout-$index-sides" \
+      --out "$out/part_lora-rollout-$index-$rollout.json" ${GRPO_ARGS:-} ${LORA_ARGS:-} || failed=1
+    index=$((index + 1))
+  done
+  return $failed
+}
+
 memory_timeline() {  # each workload in its own process: the runtime's peak counters cover a process's life
   local failed=0 workload
   for workload in ${MEMORY_TIMELINE_WORKLOADS:-lora16 c16 bf16-128 lora64 b lora4b-24}; do
@@ -264,7 +289,7 @@ placement_runs() {  # FIRST_RUN_NUMBER TARBALL CONFIG...
 }
 
 export py platform targets work wheels out root peer_python peer_path ENGINE_PACKAGES TEST_PACKAGES PEER_PACKAGES
-export -f install install_into grpo placement_runs memory_timeline train_variants
+export -f install install_into grpo placement_runs lora_rollout memory_timeline train_variants
 # The scale stage's batch. Its train step runs as micro-batches of 16 rows under remat dots: measured on a
 # v5e at e7d7426 (train-variants), the whole 128 rows under remat full trained in 1.127 s a step, 8 micro-
 # batches of 16 in 0.971 s (remat full) and 0.935 s (remat dots).
@@ -311,10 +336,11 @@ for name in $stages; do
     # shellcheck disable=SC2086
     full-ft) stage full-ft 540 "$py" bench/full_ft.py --platform "$platform" --work "$work/full-ft" \
       --out "$out/part_full-ft.json" ${FULL_FT_ARGS:-} ;;
+    lora-rollout) stage lora-rollout 540 lora_rollout ;;
     memory-timeline) stage memory-timeline 540 memory_timeline ;;
     train-variants) stage train-variants 540 train_variants ;;
     merge) stage merge 120 "$py" bench/tpu_merge.py "$out" --out-dir "${MERGE_OUT:-$out}" ;;
-    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth placement-width lora-1.7b lora-4b full-ft memory-timeline train-variants merge)" >&2 ;;
+    *) echo "unknown stage $name (stages: install tests size-a size-b size-c-rows size-c1 size-c2 scale limits placement-runs placement-depth placement-width lora-1.7b lora-4b lora-rollout full-ft memory-timeline train-variants merge)" >&2 ;;
   esac
 done
 tar czf "$out/logs-$(date -u +%H%M%S).tar.gz" -C "$out" logs && rm -rf "$out/logs"

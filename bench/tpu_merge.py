@@ -184,6 +184,20 @@ def lora_train_flops_per_token(config, rank: int, targets: list[str], tokens_per
                       "remat's recompute not counted"}
 
 
+def _lora_rollout(part: dict) -> str:
+    """A lora part's model.lora.rollout on our side (parts from before the setting: "adapters")."""
+    return (part.get("workload", {}).get("lora") or {}).get("rollout", "adapters")
+
+
+def _with_peer_runs(parts: list[dict], rollout: str) -> list[dict]:
+    """The parts of one rollout setting of ours, with the peer's runs of every other part beside them:
+    the peer's work does not depend on how our side runs its rollout, so its runs compare with each."""
+    own = [part for part in parts if _lora_rollout(part) == rollout]
+    others = [{**part, "per_run": [run for run in part.get("per_run", []) if run.get("side") == "tunix"]}
+              for part in parts if _lora_rollout(part) != rollout]
+    return [part for part in others if part["per_run"]] + own
+
+
 def merge_lora(parts: list[dict]) -> dict | None:
     """bench/results/lora_tpu.json (issue 40) from the `lora` parts of bench/grpo_step.py, one model each.
     The model's figures are ours at the largest rows our side fit (up to 64): rows, step, rollout tokens/s,
@@ -202,7 +216,14 @@ def merge_lora(parts: list[dict]) -> dict | None:
     peak = limits[-1]["limits"]["matmul_peak_gflop_s"] * 1e9 if limits else None
     models = {}
     for preset in dict.fromkeys(part["workload"]["preset"] for part in lora):
-        merged = merge_size("lora", [part for part in lora if part["workload"]["preset"] == preset])
+        of_preset = [part for part in lora if part["workload"]["preset"] == preset]
+        variants = {rollout: merge_size("lora", _with_peer_runs(of_preset, rollout))
+                    for rollout in dict.fromkeys(_lora_rollout(part) for part in of_preset)}
+        # The model's figures at our largest rows: the default rollout's runs (the others may have run only
+        # at the rows both fit). The comparison with the peer: the rollout setting that compares best,
+        # named, with every setting's figures beside it.
+        merged = variants.get("adapters") or next(iter(variants.values()))
+        best = max(variants, key=lambda rollout: variants[rollout].get("ratio_vs_peer") or 0.0)
         work = merged["workload"]
         ok = [run for run in merged["per_run"] if run.get("side") == "locojax" and run.get("ok")]
         rows = max((run["rows"] for run in ok), default=None)
@@ -227,18 +248,32 @@ def merge_lora(parts: list[dict]) -> dict | None:
             figures["train_model_flops_per_step"] = count["flops_per_token"] * statistics.median(tokens)
             figures["train_vs_matmul_peak"] = figures["train_model_flops_per_step"] / phases["time/train"] / peak
             figures["train_flops"] = count
-        if merged.get("ratio_vs_peer") is not None:
-            peer_rows = merged["rows_search"]["peer"]["largest_rows"] if "rows_search" in merged else merged["rows"]
-            figures.update(ratio_vs_peer=merged["ratio_vs_peer"], ratio_rows=merged["rows"],
-                           peer_step_s=merged.get("peer_step_s"), ours_at_ratio_rows={
-                               "step_s": merged.get("locojax_step_s"),
-                               "peak_device_vs_plan": merged.get("peak_device_vs_plan")},
+        compared = variants[best]
+        if compared.get("ratio_vs_peer") is not None:
+            peer_rows = (compared["rows_search"]["peer"]["largest_rows"] if "rows_search" in compared
+                         else compared["rows"])
+            figures.update(ratio_vs_peer=compared["ratio_vs_peer"], ratio_rows=compared["rows"],
+                           ratio_lora_rollout=best, peer_step_s=compared.get("peer_step_s"), ours_at_ratio_rows={
+                               "step_s": compared.get("locojax_step_s"),
+                               "phases_s": {name: compared.get(name) for name in ("time/rollout", "time/train")},
+                               "peak_device_vs_plan": compared.get("peak_device_vs_plan")},
                            peer_largest_rows=peer_rows, target=LORA_TARGET_RATIO,
-                           meets_target=merged["ratio_vs_peer"] >= LORA_TARGET_RATIO["ratio_vs_peer"])
-            if figures["step_s"] and merged.get("peer_step_s") and peer_rows:
+                           meets_target=compared["ratio_vs_peer"] >= LORA_TARGET_RATIO["ratio_vs_peer"])
+            if figures["step_s"] and compared.get("peer_step_s") and peer_rows:
                 figures["throughput_ratio_at_largest_rows"] = (
-                    (rows / figures["step_s"]) / (peer_rows / merged["peer_step_s"]))
+                    (rows / figures["step_s"]) / (peer_rows / compared["peer_step_s"]))
+        if len(variants) > 1:
+            figures["lora_rollout_variants"] = {
+                rollout: {"rows": v["rows"], "locojax_step_s": v.get("locojax_step_s"),
+                          "ratio_vs_peer": v.get("ratio_vs_peer"), "rounds_per_side": v.get("rounds_per_side"),
+                          "locojax_spread": v.get("locojax_spread"),
+                          "phases_s": {name: v.get(name) for name in ("time/rollout", "time/train")},
+                          "peak_device_vs_plan": v.get("peak_device_vs_plan"),
+                          "commits": sorted({p["commit"] for p in v["parts"]})}
+                for rollout, v in variants.items()}
         models[preset] = {**figures, "detail": merged}
+        if best != "adapters" and compared is not merged:
+            models[preset]["detail_at_ratio"] = compared
     used = lora + limits[-1:] + full[-1:]
     record, mixed = parts_record(used)
     platform, device_kind = _platform(used)

@@ -35,7 +35,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from locojax.model import Cache, ModelConfig, forward, init_cache, layer_params, positions_from_mask
+from locojax.model import (Cache, ModelConfig, fold_adapters_for_rollout, forward, init_cache, layer_params,
+                           positions_from_mask)
 from locojax.tokenizer import Tokenizer, pad_left
 
 if TYPE_CHECKING:
@@ -356,6 +357,7 @@ def _result(state: DecodeState, sampling: SamplingConfig) -> RolloutResult:
 
 def _generate(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, *, config: ModelConfig,
               sampling: SamplingConfig, batch_sharding: NamedSharding, segments: int) -> RolloutResult:
+    graphdef, params = fold_adapters_for_rollout(graphdef, params)  # once for the whole rollout (LoRA "merged")
     state = _prefill(graphdef, params, prompt_tokens, prompt_mask, key, row_offset, config=config,
                      sampling=sampling, batch_sharding=batch_sharding)
     state = _decode(graphdef, params, state, prompt_len=prompt_tokens.shape[1], sampling=sampling,
@@ -432,11 +434,15 @@ def make_prefill_and_decode_fns(config: ModelConfig, graphdef: nnx.GraphDef, sam
     The engine itself runs them in one computation (one dispatch per rollout). Same validation and
     placement as `make_generate_fn`."""
     batch_sharding, replicated = _rollout_shardings(config, sampling, prompt_len, batch, devices)
-    prefill_jitted = jax.jit(functools.partial(_prefill, graphdef, config=config, sampling=sampling,
+    def folded(half):  # each half folds LoRA "merged" adapters in itself (once per call)
+        return lambda graphdef, params, *args, **kwargs: half(*fold_adapters_for_rollout(graphdef, params),
+                                                               *args, **kwargs)
+
+    prefill_jitted = jax.jit(functools.partial(folded(_prefill), graphdef, config=config, sampling=sampling,
                                                batch_sharding=batch_sharding),
                              in_shardings=(replicated, batch_sharding, batch_sharding, replicated, replicated))
     segments = _segments_for(segments, sampling, batch_sharding)
-    decode = jax.jit(functools.partial(_decode, graphdef, prompt_len=prompt_len, sampling=sampling,
+    decode = jax.jit(functools.partial(folded(_decode), graphdef, prompt_len=prompt_len, sampling=sampling,
                                        segments=segments), donate_argnums=1)
 
     def prefill(params, prompt_tokens, prompt_mask, key, row_offset: int = 0) -> DecodeState:

@@ -46,6 +46,11 @@ class LoRASpec(_Strict):
     targets: list[Annotated[str, AfterValidator(_known_lora_target)]] = Field(
         default_factory=lambda: ["q", "k", "v", "o"], min_length=1, max_length=len(LORA_TARGETS),
         description=f"projections that get an adapter, among {', '.join(LORA_TARGETS)}")
+    rollout: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="how rollouts run the adapted model: 'adapters' applies the low-rank path beside each "
+        "frozen projection at every decode step; 'merged' folds the adapters into a copy of the adapted weights "
+        "once per rollout (one more copy of those weights in memory while it runs; fewer, larger matmuls a step)")
     init_from: str | None = Field(
         None, max_length=4096,
         description="a saved adapter to start from: a PEFT directory (adapter_config.json + "

@@ -10,8 +10,8 @@ import importlib
 
 from locojax.model.config import PRESETS, LoRAConfig, ModelConfig, get_preset, lora_param_count, param_count
 
-_DECODER_NAMES = ("Cache", "LoRAParam", "Transformer", "adapters_off", "create_model", "forward", "init_cache",
-                  "layer_params", "positions_from_mask", "split_adapters")
+_DECODER_NAMES = ("Cache", "LoRAParam", "Transformer", "adapters_off", "create_model", "fold_adapters_for_rollout",
+                  "forward", "init_cache", "layer_params", "positions_from_mask", "split_adapters")
 
 
 def __getattr__(name: str):

@@ -13,6 +13,8 @@ from typing import Literal
 Architecture = Literal["qwen3", "llama"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 ScanLayers = Literal["auto"] | bool
+LoRARollout = Literal["adapters", "merged"]
+LORA_ROLLOUTS = ("adapters", "merged")
 
 # What `scan_layers: auto` picks per JAX platform (`jax.default_backend()`). XLA:CPU runs the unrolled
 # layers faster (README, "The model"). On accelerators the compile time of one layer body instead of N is
@@ -32,11 +34,17 @@ LORA_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_att
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """Low-rank adapters on the named projections: W x + (alpha / rank) B A x, A [rank, in], B [out, rank]."""
+    """Low-rank adapters on the named projections: W x + (alpha / rank) B A x, A [rank, in], B [out, rank].
+
+    `rollout`: how a rollout runs the adapted model. "adapters": the low-rank path beside every frozen
+    projection, on every decode step (no extra memory). "merged": each rollout first folds the adapters
+    into a copy of the adapted weights (W + scale B A, once per rollout) and decodes on that copy, as a
+    model without adapters; it costs one copy of those weights for the rollout's duration."""
 
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    rollout: LoRARollout = "adapters"
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.alpha <= 0:
@@ -44,6 +52,8 @@ class LoRAConfig:
         unknown = [t for t in self.targets if t not in LORA_MODULES]
         if unknown or not self.targets:
             raise ValueError(f"LoRAConfig.targets must be among {', '.join(LORA_MODULES)}, got {self.targets}")
+        if self.rollout not in LORA_ROLLOUTS:
+            raise ValueError(f"LoRAConfig.rollout must be one of {', '.join(LORA_ROLLOUTS)}, got {self.rollout!r}")
 
     @property
     def scale(self) -> float:

@@ -101,8 +101,9 @@ def _project(module: nnx.Module, target: str, x2: jax.Array, weight: jax.Array, 
              decode: bool = False) -> jax.Array:
     """`_linear(x2, weight)` plus, when `module` holds an adapter for `target`, its low-rank path
     scale * (x2 A^T) B^T. The adapter is applied beside the frozen projection on every call (training,
-    prefill and each decode step alike), never merged into the weight: a merge would rewrite every
-    adapted [out, in] weight at each step, where the side path costs rank * (in + out) per row."""
+    prefill and each decode step alike), never merged into the weight here: a merge would rewrite every
+    adapted [out, in] weight at each call, where the side path costs rank * (in + out) per row. A
+    rollout may fold them in once for all its decode steps instead (`fold_adapters_for_rollout`)."""
     out = _linear(x2, weight, dt, decode)
     a = getattr(module, f"{target}_lora_a", None)
     if a is None:
@@ -616,6 +617,34 @@ def split_adapters(params: nnx.State) -> tuple[nnx.State, nnx.State]:
     """(frozen weights, adapters) of a model's params; `nnx.merge_state` puts them back together."""
     frozen, adapters = nnx.split_state(params, nnx.Not(LoRAParam), LoRAParam)
     return frozen, adapters
+
+
+def fold_adapters_for_rollout(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model a rollout runs: with `LoRAConfig.rollout` "merged", the adapted weights with their
+    adapters folded in (W + scale B A, summed in float32 and rounded once to the weight's dtype) and
+    the graph without adapters, so each decode step runs one matmul per projection instead of three;
+    otherwise `graphdef, params` unchanged. For use inside `jax.jit` (the rollout's program): the folded
+    weights are that program's temporaries, one copy of the adapted weights, folded one layer at a
+    time (`lax.map`) so the float32 products stay one layer's worth."""
+    model = nnx.merge(graphdef, params, copy=True)  # its own variables: the caller's state stays as it is
+    lora = model.config.lora
+    if lora is None or lora.rollout != "merged":
+        return graphdef, params
+    for target in lora.targets:
+        module = model.layers.attention if target in _ATTENTION_TARGETS else model.layers.mlp
+        a = getattr(module, f"{target}_lora_a")[...]  # [L, r, in]
+        b = getattr(module, f"{target}_lora_b")[...]  # [L, out, r]
+        weight = getattr(module, f"{target}_proj")  # [L, ...] whose trailing dims flatten to [out, in]
+
+        def fold(layer, scale=lora.scale):
+            w, a_layer, b_layer = layer
+            delta = jnp.matmul(b_layer, a_layer, precision=jax.lax.Precision.HIGHEST) * scale
+            return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+
+        weight[...] = jax.lax.map(fold, (weight[...], a, b))
+        delattr(module, f"{target}_lora_a")
+        delattr(module, f"{target}_lora_b")
+    return nnx.split(model)
 
 
 def adapters_off(adapters: nnx.State) -> nnx.State:

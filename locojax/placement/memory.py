@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Literal, Sequence
 
-from locojax.model.config import LoRAConfig, ModelConfig, lora_param_count, param_count
+from locojax.model.config import LoRAConfig, ModelConfig, lora_param_count, lora_projection_dims, param_count
 
 RematPolicy = Literal["none", "dots", "full"]
 # In the order fit_plan tries them: most memory and fewest FLOPs first.
@@ -211,6 +211,10 @@ def plan_memory(config: ModelConfig, *, rows_per_host: int, prompt_len: int, new
     rollout_rows = math.ceil(rows_per_host / mesh.devices)
     rollout = {"kv_cache": rollout_rows * seq * config.kv_bytes_per_token(value_bytes),
                "sampling_logits": rollout_rows * config.vocab_size * 4 * 3}
+    if config.lora is not None and config.lora.rollout == "merged":  # the folded copy of the adapted weights
+        dims = lora_projection_dims(config)
+        rollout["merged_weights"] = (config.n_layers * value_bytes
+                                     * sum(dims[t][0] * dims[t][1] for t in config.lora.targets))
     return MemoryPlan(persistent, train, rollout, runtime_bytes, mesh, remat, dtype, capacity_bytes, capacity_name)
 
 
@@ -339,7 +343,7 @@ def spec_model_config(spec) -> ModelConfig:
 def spec_lora_config(spec) -> LoRAConfig | None:
     """A RunSpec's model.lora as the model's LoRAConfig (None without adapters)."""
     lora = spec.model.lora
-    return None if lora is None else LoRAConfig(lora.rank, float(lora.alpha), tuple(lora.targets))
+    return None if lora is None else LoRAConfig(lora.rank, float(lora.alpha), tuple(lora.targets), lora.rollout)
 
 
 def _spec_base_config(spec) -> ModelConfig:

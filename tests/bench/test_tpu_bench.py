@@ -157,6 +157,38 @@ def test_lora_merge_reports_our_largest_rows_and_compares_with_the_peer_at_the_r
     assert model["meets_target"] is False
 
 
+def test_lora_merge_compares_each_rollout_setting_of_ours_with_the_peers_runs_and_names_the_best(tmp_path):
+    """A part of ours alone (--peer none) with model.lora.rollout "merged" at the rows both fit: its runs
+    are pooled apart from the default setting's, each setting set against the peer's runs of the other
+    part; the headline ratio is the better setting's, named, and the largest-rows figures stay the
+    default setting's."""
+    from bench.tpu_merge import load_parts, merge_lora
+
+    search = {"rows_both_fit": 16, "locojax": {"largest_rows": 64, "attempts": []},
+              "peer": {"largest_rows": 16, "attempts": []}}
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    adapters = _grpo_part("lora-1.7b", "eee", "lora", [
+        {**_run("locojax", 64, [5.0, 5.2]), "round": None, "steps_completed": 5},
+        _run("tunix", 16, [2.4, 2.4]), _run("locojax", 16, [2.2, 2.2])], search)
+    adapters["workload"] = {"size": "lora", "preset": "small", "new_tokens": 256,
+                            "lora": {"rank": 16, "targets": targets}}  # before the setting existed: adapters
+    merged = _grpo_part("lora-1.7b-merged", "fff", "lora", [
+        _run("locojax", 16, [1.6, 1.6]), _run("locojax", 16, [1.7, 1.7], round_index=1)])
+    merged["workload"] = {"size": "lora", "preset": "small", "new_tokens": 256,
+                          "lora": {"rank": 16, "targets": targets, "rollout": "merged"}}
+    (tmp_path / "part_lora-1.7b.json").write_text(json.dumps(adapters))
+    (tmp_path / "part_lora-1.7b-merged.json").write_text(json.dumps(merged))
+    model = merge_lora(load_parts(tmp_path))["models"]["small"]
+
+    assert model["rows"] == 64 and model["step_s"] == pytest.approx(5.1)
+    assert model["ratio_lora_rollout"] == "merged" and model["ratio_rows"] == 16
+    assert model["ratio_vs_peer"] == pytest.approx(2.4 / 1.65) and model["ours_at_ratio_rows"]["step_s"] == 1.65
+    variants = model["lora_rollout_variants"]
+    assert variants["adapters"]["ratio_vs_peer"] == pytest.approx(2.4 / 2.2)
+    assert variants["merged"]["rounds_per_side"] == {"locojax": 2, "peer": 1}
+    assert variants["merged"]["commits"] == ["eee", "fff"]  # the peer's runs came from the other part
+
+
 def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path):
     from bench.tpu_merge import load_parts, merge_scale
 

@@ -14,7 +14,7 @@ from flax import nnx
 from locojax.checkpoint import Checkpointer
 from locojax.model import LoRAConfig, create_model, get_preset, lora_param_count, positions_from_mask
 from locojax.model.hf import load_hf_checkpoint, load_peft_adapter, save_hf_checkpoint, save_peft_adapter
-from locojax.model.transformer import LoRAParam, adapters_off, split_adapters
+from locojax.model.transformer import LoRAParam, adapters_off, fold_adapters_for_rollout, split_adapters
 from locojax.spec import SpecError, parse_spec
 from locojax.train import (
     init_train_state,
@@ -169,6 +169,75 @@ def test_kl_reference_is_the_base_model_sharing_the_frozen_weights():
     state, metrics = step(state, ref_batch)
     assert float(metrics["loss/kl"]) > 0
     assert np.array_equal(sequence_logprobs(graphdef, reference, *args), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout with the adapters folded in ("merged")
+
+
+def test_folding_adapters_for_rollout_gives_the_adapted_weights_and_a_graph_without_adapters():
+    merged_config = get_preset("tiny").replace(lora=LoRAConfig(rank=4, alpha=8.0, targets=ALL_TARGETS,
+                                                               rollout="merged"))
+    graphdef, params = split_params(_moved_adapters(create_model(merged_config, seed=0)))
+    folded_graphdef, folded = fold_adapters_for_rollout(graphdef, params)
+    assert not jax.tree.leaves(nnx.state(nnx.merge(folded_graphdef, folded), LoRAParam))
+    flat, flat_folded = nnx.to_flat_state(params), dict(nnx.to_flat_state(folded))
+    layers = merged_config.n_layers
+    for path, variable in flat:
+        if "_lora_" in str(path[-1]):
+            assert path not in flat_folded
+            continue
+        name = str(path[-1])
+        target = name.removesuffix("_proj")
+        if target not in ALL_TARGETS:  # norms, embedding: untouched
+            assert np.array_equal(np.asarray(flat_folded[path][...]), np.asarray(variable[...])), path
+            continue
+        module = dict(flat)
+        a = np.asarray(module[(*path[:-1], f"{target}_lora_a")][...], np.float64)  # [L, r, in]
+        b = np.asarray(module[(*path[:-1], f"{target}_lora_b")][...], np.float64)  # [L, out, r]
+        expected = np.asarray(variable[...], np.float64) + (LORA.scale * b @ a).reshape(variable[...].shape)
+        assert variable[...].shape[0] == layers
+        np.testing.assert_allclose(np.asarray(flat_folded[path][...]), expected, rtol=1e-6, atol=1e-7)
+    # "adapters" (the default) leaves the model as it is.
+    plain_graphdef, plain = split_params(_moved_adapters(create_model(get_preset("tiny").replace(lora=LORA), seed=0)))
+    assert fold_adapters_for_rollout(plain_graphdef, plain) == (plain_graphdef, plain)
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
+def test_a_merged_rollout_samples_what_the_adapter_rollout_samples(trained):
+    """The same tokens and (to float32 rounding) log-probs, sampled at temperature 1 from the same keys;
+    fresh adapters (B = 0) fold in exactly, so step 0's rollout is the base model's either way."""
+    from locojax.rollout import SamplingConfig, make_generate_fn
+
+    results = {}
+    for rollout in ("adapters", "merged"):
+        config = get_preset("tiny").replace(lora=LoRAConfig(rank=4, alpha=8.0, targets=ALL_TARGETS, rollout=rollout))
+        model = create_model(config, seed=0)
+        graphdef, params = split_params(_moved_adapters(model) if trained else model)
+        sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, eos_id=None, pad_id=0)
+        ids, mask = _tokens(batch=4, length=8)
+        generate = make_generate_fn(config, graphdef, sampling, 8, 4)
+        results[rollout] = generate(params, np.asarray(ids), np.asarray(mask), jax.random.PRNGKey(5))
+    adapters, merged = results["adapters"], results["merged"]
+    assert np.array_equal(np.asarray(adapters.tokens), np.asarray(merged.tokens))
+    if trained:
+        np.testing.assert_allclose(np.asarray(merged.logprobs), np.asarray(adapters.logprobs), atol=1e-5)
+    else:
+        assert np.array_equal(np.asarray(merged.logprobs), np.asarray(adapters.logprobs))
+
+
+def test_memory_plan_counts_the_merged_rollout_copy_of_the_adapted_weights():
+    from locojax.placement.memory import plan_memory
+
+    config = get_preset("qwen3-0.6b").replace(param_dtype="bfloat16", dtype="bfloat16")
+    plans = {rollout: plan_memory(config.replace(lora=LoRAConfig(16, 32.0, ALL_TARGETS, rollout)), rows_per_host=16,
+                                  prompt_len=96, new_len=256, remat="full")
+             for rollout in ("adapters", "merged")}
+    d, f, hd = config.d_model, config.d_ff, config.head_dim
+    adapted = config.n_layers * 2 * (d * config.n_heads * hd * 2 + d * config.n_kv_heads * hd * 2 + 3 * d * f)
+    assert "merged_weights" not in plans["adapters"].rollout
+    assert plans["merged"].rollout["merged_weights"] == adapted
+    assert plans["merged"].rollout == {**plans["adapters"].rollout, "merged_weights": adapted}
 
 
 # ------------------------------------------------------------------------------------------------
