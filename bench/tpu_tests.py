@@ -9,7 +9,7 @@ checkpoint round trip and the HF export's row-major bytes), not slow, not multip
 accelerator tests/locojax/conftest.py runs them at the highest matmul precision and skips those that
 need several CPU devices. pytest's own addopts are replaced (`-o addopts=`): nothing here needs
 pytest-timeout, whose absence would stop the run. The counts come from this module loaded as a pytest
-plugin (`-p bench.tpu_tests`): passed, failed, skipped, errors and the failed tests' ids, with the
+plugin (`-p bench.tpu_tests`): passed, failed, skipped, xfailed, errors and the failed tests' ids, with the
 device the session ran on.
 """
 
@@ -31,7 +31,8 @@ TEST_FILES = tuple(f"tests/locojax/test_{name}.py"
                    for name in ("model", "hf", "rollout", "train", "algo", "sampling", "checkpoint"))
 COUNTS_VARIABLE = "LOCOJAX_TPU_TESTS_COUNTS"
 
-_counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_names": [], "skip_reasons": {}}
+_counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0, "errors": 0, "failed_names": [], "skip_reasons": {},
+           "xfail_reasons": {}}
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -39,6 +40,9 @@ def pytest_runtest_logreport(report) -> None:
     if report.when == "call" or (report.when == "setup" and not report.passed):
         if report.passed:
             _counts["passed"] += 1
+        elif report.skipped and hasattr(report, "wasxfail"):  # an expected failure (strict: failing as marked)
+            _counts["xfailed"] += 1
+            _counts["xfail_reasons"][report.nodeid] = str(report.wasxfail)[:300]
         elif report.skipped:
             _counts["skipped"] += 1
             reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -102,7 +106,8 @@ def main() -> None:
     args.out.write_text(json.dumps(part, indent=2) + "\n", encoding="utf-8")
     tests = part["tpu_tests"]
     print(f"tpu_tests on {part['platform']} ({part['device_kind']}): {tests['passed']} passed, {tests['failed']} "
-          f"failed, {tests['skipped']} skipped, {tests['errors']} errors in {wall:.0f} s; wrote {args.out}")
+          f"failed, {tests['skipped']} skipped, {tests.get('xfailed', 0)} xfailed, {tests['errors']} errors in {wall:.0f} s; "
+          f"wrote {args.out}")
     sys.exit(0 if status == 0 else 1)
 
 

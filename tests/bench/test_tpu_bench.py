@@ -204,13 +204,18 @@ def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path
                                    "device_kind": "TPU v5 lite"}}))
     (tmp_path / "part_tests.json").write_text(json.dumps({
         "benchmark": "tpu_tests", "stage": "tests", **header, "date_utc": "2026-01-01T00:00:00Z",
-        "tpu_tests": {"passed": 76, "failed": 0, "skipped": 7, "errors": 0, "failed_names": []}}))
+        "tpu_tests": {"passed": 76, "failed": 0, "skipped": 8, "errors": 0, "failed_names": [], "skip_reasons": {
+            "t.py::test_four": "Skipped: needs 4 CPU devices",
+            "t.py::test_marked": "x = 1\n\n    @pytest.mark.xfail(True, strict=True, reason='known')\n    def test_m"}}}))
     merged = merge_scale(load_parts(tmp_path))
 
     assert merged["decode_vs_roofline"] == 0.4 and merged["mixed_commits"] is False
     assert merged["train_vs_matmul_peak"] == pytest.approx(1e14 / 160e12)
     assert merged["train_vs_197_tflops"] == pytest.approx(1e14 / 197e12)
     assert merged["tpu_tests"]["failed"] == 0 and len(merged["parts"]) == 3
+    # An older part counted its strict expected failure among the skips: the merge tells them apart.
+    assert merged["tpu_tests"]["xfailed"] == 1 and merged["tpu_tests"]["skipped"] == 7
+    assert list(merged["tpu_tests"]["xfail_reasons"]) == ["t.py::test_marked"] and merged["tpu_tests"]["corrections"]
 
     limits = json.loads((tmp_path / "part_limits.json").read_text())
     limits["batch"] = {**batch, "dtype": "float32"}
