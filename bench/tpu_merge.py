@@ -120,12 +120,26 @@ def _platform(parts: list[dict]) -> tuple[str | None, str | None]:
     return (", ".join(platforms) or None), (", ".join(kinds) or None)
 
 
+def _combined_search(searches: list[dict]) -> dict | None:
+    """One rows search from several parts': the newest that tried the peer (a search of ours alone,
+    `--peer none`, has nothing to say about the peer's rows or the rows both fit), with our largest rows
+    the largest any search ran (e.g. micro-batches fitting more rows than an earlier whole-batch search)."""
+    if not searches:
+        return None
+    tried_peer = [search for search in searches if (search.get("peer") or {}).get("attempts")]
+    search = dict((tried_peer or searches)[-1])
+    ours = [s["locojax"] for s in searches if (s.get("locojax") or {}).get("largest_rows")]
+    if ours:
+        search["locojax"] = max(ours, key=lambda record: record["largest_rows"])
+    return search
+
+
 def merge_size(size: str, parts: list[dict]) -> dict:
     """One size's figures from all its parts' runs (bench/grpo_step.py `summarise`)."""
     from bench.grpo_step import summarise
 
     searches = [part["rows_search"] for part in parts if part.get("rows_search")]
-    search = searches[-1] if searches else None
+    search = _combined_search(searches)
     rows = search["rows_both_fit"] if search and search.get("rows_both_fit") else parts[-1].get("rows")
     pooled = [{**run, "part_date_utc": part.get("date_utc", ""), "part_commit": part.get("commit")}
               for part in parts for run in part.get("per_run", [])]

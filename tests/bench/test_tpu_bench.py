@@ -189,6 +189,32 @@ def test_lora_merge_compares_each_rollout_setting_of_ours_with_the_peers_runs_an
     assert variants["merged"]["commits"] == ["eee", "fff"]  # the peer's runs came from the other part
 
 
+def test_lora_merge_keeps_the_peers_search_when_a_later_part_of_ours_alone_fits_more_rows(tmp_path):
+    """The 4B: a rows search where the peer failed at 8 rows, then our side alone (--peer none) in
+    micro-batches fitting 64 rows where the first search fit 48: the model's figures are at 64 rows, the
+    search keeps the peer's failed attempt, and our largest rows are 64."""
+    from bench.tpu_merge import load_parts, merge_lora
+
+    first = {"rows_both_fit": None, "locojax": {"largest_rows": 48, "attempts": []},
+             "peer": {"largest_rows": None, "attempts": [{"rows": 8, "status": "failed", "error": "OOM"}]}}
+    alone = {"rows_both_fit": None, "locojax": {"largest_rows": 64, "attempts": []},
+             "peer": {"largest_rows": None, "attempts": []}}
+    workload = {"size": "lora", "preset": "big", "new_tokens": 256, "lora": {"rank": 16, "targets": ["q"]}}
+    older = {**_grpo_part("lora-4b", "aaa", "lora", [{**_run("locojax", 48, [8.1, 8.2]), "round": None},
+                                                      {**_run("tunix", 8, []), "ok": False, "round": None}], first),
+             "workload": workload, "date_utc": "2026-01-01T00:00:00Z"}
+    newer = {**_grpo_part("lora-4b", "bbb", "lora", [{**_run("locojax", 64, [9.3, 9.3]), "round": None}], alone),
+             "workload": {**workload, "micro_batch_size": 16}, "date_utc": "2026-01-02T00:00:00Z"}
+    (tmp_path / "part_lora-4b.json").write_text(json.dumps(older))
+    (tmp_path / "part_lora-4b-bbb.json").write_text(json.dumps(newer))
+    model = merge_lora(load_parts(tmp_path))["models"]["big"]
+
+    assert model["rows"] == 64 and model["step_s"] == pytest.approx(9.3)
+    search = model["detail"]["rows_search"]
+    assert search["peer"]["attempts"][0]["error"] == "OOM" and search["locojax"]["largest_rows"] == 64
+    assert model["detail"]["largest_rows"] == {"locojax": 64, "peer": None}
+
+
 def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path):
     from bench.tpu_merge import load_parts, merge_scale
 
