@@ -42,9 +42,9 @@
 #                of a bfloat16 Qwen3-1.7B against Tunix's (qwix) LoRA, 96 + 256 tokens, the largest rows <= 64 both
 #                fit, 2 rounds; not in the default list (LORA_ARGS="--peer-at-our-rows --rounds 1": the peer first
 #                tries our largest rows, for its own error there, which costs it one failed run)
-#   lora-4b      ~8 min (9 min): the same at Qwen3-4B, 1 round; not in the default list (at a46af8b the plan
-#                refused 64 rows for the whole batch's train step, 14.54 GiB of 14.17, and fit 48;
-#                LORA_ARGS="--micro-batch-size 16" trains our side in micro-batches of 16 rows, the same update)
+#   lora-4b      ~7 min (9 min): the same at Qwen3-4B, 1 round, our side in micro-batches of 16 rows (the same
+#                update; at a46af8b the plan refused the whole 64-row batch's train step, 14.54 GiB of 14.17, and
+#                fit 48; in micro-batches 64 ran at e931e0a); not in the default list
 #   lora-rollout ~5 min (9 min): our side alone at Qwen3-1.7B LoRA, 16 rows (LORA_ROLLOUT_ROWS), model.lora.rollout
 #                adapters and merged alternating (A M M A, one run and part each, --peer none): whether folding
 #                the adapters in once per rollout beats the low-rank path at every decode step; the merge sets
@@ -332,7 +332,7 @@ for name in $stages; do
       ${LORA_ARGS:-} ;;
     # shellcheck disable=SC2086
     lora-4b) stage lora-4b 540 grpo lora-4b lora --model-preset qwen3-4b --rows search --max-prompts 8 --rounds 1 \
-      --work "$work" ${LORA_ARGS:-} ;;
+      --micro-batch-size 16 --work "$work" ${LORA_ARGS:-} ;;
     # shellcheck disable=SC2086
     full-ft) stage full-ft 540 "$py" bench/full_ft.py --platform "$platform" --work "$work/full-ft" \
       --out "$out/part_full-ft.json" ${FULL_FT_ARGS:-} ;;
