@@ -93,9 +93,9 @@ C_PROMPTS = (64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
 # steps): what the budget check reserves before it starts one (the run's own wall time replaces it once
 # a run of that side has finished).
 EXPECTED_RUN_S = {"a": 90.0, "b": 110.0, "c": 200.0, "lora": 300.0}
-# Where the sides' first runs differ by more than the stage can absorb: on a v5e at Qwen3-1.7B LoRA, 16 rows,
-# our run took 64-81 s (137 s at 4B, 48 rows) and the peer's 271 s (most of it compiling), so 300 s for ours left an A M M A
-# stage (bench/tpu.sh lora-rollout) one run short.
+# Where the sides' first runs differ by more than the stage can absorb: on a v5e at Qwen3-1.7B LoRA, 16
+# rows, our run took 64-81 s (137 s at 4B, 48 rows) and the peer's 271 s (most of it compiling), so 300 s
+# for ours left an A M M A stage (bench/tpu.sh lora-rollout) one run short.
 EXPECTED_SIDE_RUN_S = {("lora", "locojax"): 150.0}
 
 

@@ -106,8 +106,8 @@ def main() -> None:
     args.out.write_text(json.dumps(part, indent=2) + "\n", encoding="utf-8")
     tests = part["tpu_tests"]
     print(f"tpu_tests on {part['platform']} ({part['device_kind']}): {tests['passed']} passed, {tests['failed']} "
-          f"failed, {tests['skipped']} skipped, {tests.get('xfailed', 0)} xfailed, {tests['errors']} errors in {wall:.0f} s; "
-          f"wrote {args.out}")
+          f"failed, {tests['skipped']} skipped, {tests['xfailed']} xfailed, {tests['errors']} errors in "
+          f"{wall:.0f} s; wrote {args.out}")
     sys.exit(0 if status == 0 else 1)
 
 

@@ -232,7 +232,7 @@ def test_merge_completes_the_scale_part_with_the_limits_and_tests_parts(tmp_path
         "benchmark": "tpu_tests", "stage": "tests", **header, "date_utc": "2026-01-01T00:00:00Z",
         "tpu_tests": {"passed": 76, "failed": 0, "skipped": 8, "errors": 0, "failed_names": [], "skip_reasons": {
             "t.py::test_four": "Skipped: needs 4 CPU devices",
-            "t.py::test_marked": "x = 1\n\n    @pytest.mark.xfail(True, strict=True, reason='known')\n    def test_m"}}}))
+            "t.py::test_marked": "x = 1\n\n    @pytest.mark.xfail(True, strict=True, reason='known')\n"}}}))
     merged = merge_scale(load_parts(tmp_path))
 
     assert merged["decode_vs_roofline"] == 0.4 and merged["mixed_commits"] is False
