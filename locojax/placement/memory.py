@@ -294,6 +294,9 @@ def refusal(plan: MemoryPlan) -> str:
                      + ("" if plan.remat == "dots" else " or dots (keeps the weight matmuls' outputs)"))
     if plan.dtype == "float32":
         hints.append("model.dtype: bfloat16 (halves every parameter-sized term)")
+    if plan.rollout.get("merged_weights") and sum(plan.rollout.values()) >= sum(plan.train.values()):
+        hints.append(f"model.lora.rollout: adapters (no copy of the adapted weights while the rollout runs, "
+                     f"{plan.rollout['merged_weights'] / GiB:.2f} GiB)")
     hints.append("fewer rollout.prompts_per_step or group_size, or algo.micro_batch_size")
     return (f"{DOES_NOT_FIT}: {plan.summary()}. The plan needs {plan.peak_bytes / GiB:.2f} GiB per device "
             f"but {usable / GiB:.2f} GiB of {plan.capacity_name} is usable; the largest term is {term} "

@@ -240,6 +240,25 @@ def test_memory_plan_counts_the_merged_rollout_copy_of_the_adapted_weights():
     assert plans["merged"].rollout == {**plans["adapters"].rollout, "merged_weights": adapted}
 
 
+def test_a_merged_rollout_that_does_not_fit_is_refused_naming_the_adapter_rollout_as_what_would_fit():
+    """Qwen3-0.6B bf16, 64 rows in micro-batches of 8, where the rollout's KV cache binds: the merged copy of
+    the adapted weights (0.82 GiB) tips it over a 4.6 GiB device; the refusal names the term and
+    `lora.rollout: adapters` as what would fit, which does. An adapter rollout is never told to switch."""
+    import dataclasses
+
+    from locojax.placement.memory import GiB, plan_memory, refusal
+
+    config = get_preset("qwen3-0.6b").replace(param_dtype="bfloat16", dtype="bfloat16")
+    shape = dict(rows_per_host=64, prompt_len=96, new_len=256, remat="full", micro_batches=8,
+                 capacity_bytes=4.6 * GiB)
+    merged = plan_memory(config.replace(lora=LoRAConfig(16, 32.0, ALL_TARGETS, "merged")), **shape)
+    adapters = plan_memory(config.replace(lora=LoRAConfig(16, 32.0, ALL_TARGETS)), **shape)
+    assert adapters.fits and not merged.fits
+    message = refusal(merged)
+    assert "model.lora.rollout: adapters" in message and "merged_weights" in message, message
+    assert "model.lora.rollout" not in refusal(dataclasses.replace(adapters, capacity_bytes=1 * GiB))
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpoints
 
