@@ -97,7 +97,8 @@ def main() -> None:
     device = (counts or {}).pop("device", None) or {}
     part = {"benchmark": "tpu_tests",
             **part_header(args.stage, platform=device.get("platform", "unknown"), device_kind=device.get("device_kind")),
-            "tpu_tests": counts or {"passed": 0, "failed": 0, "skipped": 0, "errors": 1, "failed_names": [],
+            "tpu_tests": counts or {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0, "errors": 1,
+                                    "failed_names": [],
                                     "note": "pytest ended without counts "
                                             + ("(timed out)" if status is None else f"(exit status {status})")},
             "devices": device.get("devices"), "pytest_exit_status": status, "wall_s": wall,

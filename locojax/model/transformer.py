@@ -627,10 +627,10 @@ def fold_adapters_for_rollout(graphdef: nnx.GraphDef, params: nnx.State) -> tupl
     weights are that program's temporaries, one copy of the adapted weights, folded one layer at a
     time (`lax.map`) so the float32 products stay one layer's worth. Not the default: where decode is
     bound by reading the weights (a v5e at Qwen3-1.7B, 16 rows) it was no faster (README, LoRA)."""
-    model = nnx.merge(graphdef, params, copy=True)  # its own variables: the caller's state stays as it is
-    lora = model.config.lora
+    lora = nnx.merge(graphdef, params).config.lora
     if lora is None or lora.rollout != "merged":
         return graphdef, params
+    model = nnx.merge(graphdef, params, copy=True)  # its own variables: the caller's state stays as it is
     for target in lora.targets:
         module = model.layers.attention if target in _ATTENTION_TARGETS else model.layers.mlp
         a = getattr(module, f"{target}_lora_a")[...]  # [L, r, in]
