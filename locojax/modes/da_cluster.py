@@ -140,13 +140,23 @@ def start_head(spec: RunSpec, listen: str):
     import ray._private.node
 
     node_ip, port = split_address(listen)
-    # No autoscaler monitor: a run's cluster is exactly its reserved hosts (the monitor would also open
-    # a metrics port of its own, the same fixed one for every run on the machine).
-    params = _node_params(spec, 0, node_ip, num_redis_shards=None, redis_max_clients=None, no_monitor=True)
-    params.gcs_server_port = port
-    # Not `shutdown_at_exit`: the driver kills the node itself once its actors are gone; if the
-    # driver dies first, the node's processes die with it (the reaper, kernel fate sharing).
-    return ray._private.node.Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True)
+
+    def start():
+        # No autoscaler monitor: a run's cluster is exactly its reserved hosts (the monitor would also open
+        # a metrics port of its own, the same fixed one for every run on the machine).
+        params = _node_params(spec, 0, node_ip, num_redis_shards=None, redis_max_clients=None, no_monitor=True)
+        params.gcs_server_port = port
+        # Not `shutdown_at_exit`: the driver kills the node itself once its actors are gone; if the
+        # driver dies first, the node's processes die with it (the reaper, kernel fate sharing).
+        return ray._private.node.Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True)
+
+    for attempt in range(1, NODE_START_TRIES):
+        try:
+            return start()
+        except Exception as exc:  # as a node's (serve_node): Ray's fixed start-up waits, on a loaded machine
+            stop_ray_leftovers()  # the half-started GCS and raylet, so the next try gets the port
+            print(f"Ray head start {attempt} failed ({exc}); trying again", file=sys.stderr, flush=True)
+    return start()
 
 
 def wait_for_nodes(ray, spec: RunSpec, timeout_s: float = JOIN_TIMEOUT_S) -> None:

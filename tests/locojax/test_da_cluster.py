@@ -120,3 +120,35 @@ def test_a_da_run_has_its_driver_on_the_first_host_and_a_ray_node_on_every_other
                                    (4, 0.75, ("controller", "rollout", "rollout", "rollout"))):
         layout = da.layout(PlacementSpec(mode="da", hosts=hosts, rollout_fraction=fraction))
         assert (layout.hosts, layout.roles, layout.host_of) == (hosts, roles, tuple(range(hosts)))
+
+
+def test_a_head_that_misses_rays_start_up_wait_is_started_again_on_the_same_port(monkeypatch):
+    """A loaded machine can miss Ray's fixed start-up wait for the head's GCS and raylet (it happened to
+    a test's head under the full suite): the half-started processes are stopped and the head is started
+    again, on the run's port, as a node's start is; a head that never starts raises Ray's error."""
+    import ray._private.node
+
+    from locojax.modes import da_cluster
+    from locojax.spec import RunSpec
+
+    spec = RunSpec.model_validate({"placement": {"mode": "da", "hosts": 2, "rollout_fraction": 0.5}})
+    started, stopped = [], []
+
+    class NodeMissingItsFirstStart:
+        def __init__(self, params, head, shutdown_at_exit, spawn_reaper):
+            started.append((params.gcs_server_port, head))
+            if len(started) < failures + 1:
+                raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray._private.node, "Node", NodeMissingItsFirstStart)
+    monkeypatch.setattr(da_cluster, "stop_ray_leftovers", lambda: stopped.append(len(started)))
+    failures = 1
+    head = da_cluster.start_head(spec, "127.0.0.1:43210")
+    assert isinstance(head, NodeMissingItsFirstStart)
+    assert started == [(43210, True), (43210, True)] and stopped == [1]
+
+    started.clear(), stopped.clear()
+    failures = da_cluster.NODE_START_TRIES
+    with pytest.raises(Exception, match="timed out during startup"):
+        da_cluster.start_head(spec, "127.0.0.1:43210")
+    assert len(started) == da_cluster.NODE_START_TRIES and stopped == list(range(1, da_cluster.NODE_START_TRIES))
