@@ -51,6 +51,9 @@ completion tokens equal to the pad id, also ones sampled by chance; ours does no
 more steps after the timed ones under jax.profiler (bench/profile_trace.py): the share of those
 steps' wall time with no op running on the device, and the top ops by time per phase. The timed
 periods are the same steps as in every other run; the profiler starts and stops outside them.
+`--host-profile-steps N` (default 3 on a TPU) then runs N more under cProfile: the Python calls the
+run loop's thread spends a steady step in (`host_profile`), i.e. what the host does while the device
+trace shows the device waiting.
 
 Every output (a part of a TPU refresh, or the CPU JSON) records the commit it measured, its date,
 the platform and device kind (bench/tpu_merge.py `part_header`). The last line printed is
@@ -292,7 +295,7 @@ def locojax_side(args) -> None:
     from locojax.modes.co import run_co
     from locojax.placement.memory import GiB, MemoryPlanError, plan_for_spec, refusal
 
-    from bench.profile_trace import ProfiledSteps, annotated_phases, summarise_trace
+    from bench.profile_trace import HostProfiledSteps, ProfiledSteps, annotated_phases, summarise_trace
 
     assert len(jax.devices()) == 1, jax.devices()
     base = workload_from_args(args)
@@ -361,7 +364,8 @@ def locojax_side(args) -> None:
     compiled = common.plans_by_compiling(device.platform)
     attempts, done, side_started, longest = [], None, time.monotonic(), 0.0
     candidates = args.prompt_candidates or [base.prompts]
-    total_steps = args.steps + (args.profile_steps + 1 if args.profile_steps else 0)
+    traced_steps = args.profile_steps + 1 if args.profile_steps else 0
+    total_steps = args.steps + traced_steps + (args.host_profile_steps + 1 if args.host_profile_steps else 0)
     for prompts in candidates:
         work = base.with_prompts(prompts)
         attempt = {"rows": work.rows, "prompts": prompts, "plan_source": "compiled" if compiled else "analytic"}
@@ -383,6 +387,9 @@ def locojax_side(args) -> None:
         sink = StampSink()
         trace_dir = tempfile.mkdtemp(prefix="grpo-step-trace-") if args.profile_steps else None
         sinks = [sink] + ([ProfiledSteps(trace_dir, args.steps, args.profile_steps)] if trace_dir else [])
+        host_profile = (HostProfiledSteps(args.steps + traced_steps + 1, args.host_profile_steps)
+                        if args.host_profile_steps else None)
+        sinks += [host_profile] if host_profile else []
         with tempfile.TemporaryDirectory(prefix="grpo-step-bench-") as out:
             started = time.perf_counter()
             try:
@@ -403,7 +410,7 @@ def locojax_side(args) -> None:
             attempt.update(status="failed", error=f"run_co ended {result.status} after {result.steps_done} steps")
             continue
         attempt.update(status="ran", error=None)
-        done = (work, sink, started, total, trace_dir)
+        done = (work, sink, started, total, trace_dir, host_profile)
         break
 
     record = {"side": "locojax", "attempts": attempts, "device": _device_record(device),
@@ -414,7 +421,7 @@ def locojax_side(args) -> None:
                           for a in attempts)
         print(json.dumps({**record, "ok": False, "error": f"no candidate rows ran: {tried}"}), flush=True)
         return
-    work, sink, started, total, trace_dir = done
+    work, sink, started, total, trace_dir, host_profile = done
     kept = range(max(args.warmup, 1), args.steps - 1)  # step k = stamps[k] - stamps[k-1]
     device_peaks = [r["memory/device_peak_gib"] for r in sink.records if "memory/device_peak_gib" in r]
     profile = None
@@ -449,6 +456,7 @@ def locojax_side(args) -> None:
         "plan_source": attempts[-1]["plan_source"],
         "reward_mean": [r.get("reward/mean") for r in sink.records],
         "profile": profile,
+        "host_profile": host_profile.summary() if host_profile else None,
     }), flush=True)
 
 
@@ -600,6 +608,8 @@ class Orchestrator:
                 command += ["--micro-batch-size", str(args.micro_batch_size)]
             if profile and args.profile_steps:
                 command += ["--profile-steps", str(args.profile_steps)]
+            if profile and args.host_profile_steps:
+                command += ["--host-profile-steps", str(args.host_profile_steps)]
             if args.compiled_plan:
                 command += ["--compiled-plan"]
             command += ["--time-left-s", f"{timeout:.0f}"]
@@ -736,6 +746,7 @@ def summarise(per_run: list[dict], rows: int | None = None) -> dict:
     locojax_step_s = statistics.median(our_periods)
     our_round_medians = [statistics.median(run["periods_s"]) for run in ours]
     profiles = [run["profile"] for run in ours if run.get("profile") and "error" not in run["profile"]]
+    host_profiles = [run["host_profile"] for run in ours if run.get("host_profile")]
     # Each run against its own plan; pooled across parts (bench/tpu_merge.py tags each run with its part's
     # date), the newest part's runs speak for the plan, since an older commit's plan may have changed since.
     peaks = [(run.get("part_date_utc", ""), run["peak_device_gib"], run["planned_gib"]) for run in ours
@@ -752,6 +763,7 @@ def summarise(per_run: list[dict], rows: int | None = None) -> dict:
         "locojax_spread": _spread(our_round_medians),
         "device_idle_fraction": profiles[-1]["device_idle_fraction"] if profiles else None,
         "profile": profiles[-1] if profiles else None,
+        "host_profile": host_profiles[-1] if host_profiles else None,
         "peak_device_gib": newest[1] if newest else None,
         "planned_gib": newest[2] if newest else ours[0].get("planned_gib"),
         "peak_device_vs_plan": newest[1] / newest[2] if newest else None,
@@ -792,8 +804,8 @@ def per_run_record(run: dict) -> dict:
     """What a part keeps of one run (the generated-token log is summarised by its identical-work check)."""
     keep = ("side", "round", "rows", "ok", "error", "periods_s", "cpu_s", "phases_s", "first_step_s", "step0_s",
             "setup_and_first_step_s", "total_s", "wall_s", "load_avg_1m", "peak_rss_mib", "peak_device_gib",
-            "train_tokens", "steps_completed",
-            "planned_gib", "plan_line", "peak_device_after_failed_attempt", "identical_work", "compilation_cache", "profile", "device", "versions",
+            "train_tokens", "steps_completed", "planned_gib", "plan_line", "peak_device_after_failed_attempt",
+            "identical_work", "compilation_cache", "profile", "host_profile", "device", "versions",
             "reference_model", "last_step_s", "log", "stderr_tail")
     record = {k: run[k] for k in keep if k in run}
     if record.get("periods_s"):
@@ -865,6 +877,9 @@ def main() -> None:
                         help="the stage's time: no run is started that would not finish within it")
     parser.add_argument("--profile-steps", type=int, default=None,
                         help="steps profiled after our side's last timed run (default 3 on a TPU, 0 on a CPU)")
+    parser.add_argument("--host-profile-steps", type=int, default=None,
+                        help="steps run under cProfile after the profiled ones, in the same run (default 3 on "
+                             "a TPU, 0 on a CPU)")
     parser.add_argument("--work", type=Path, default=None, help="size c: where its inputs are built (default: temp)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/grpo_step.json on a CPU at size a; required otherwise")
@@ -883,6 +898,8 @@ def main() -> None:
         args.steps = 6 if args.size == "c" else 5 if args.size == "lora" else 9
     if args.profile_steps is None:
         args.profile_steps = 3 if args.platform == "tpu" else 0
+    if args.host_profile_steps is None:
+        args.host_profile_steps = 3 if args.platform == "tpu" else 0
     if args.steps < args.warmup + 2 or args.warmup < 1:
         parser.error("need warmup >= 1 and steps >= warmup + 2")
     if args.side == "locojax":

@@ -107,6 +107,65 @@ class ProfiledSteps:
         self.stop()
 
 
+class HostProfiledSteps:
+    """A metric sink that runs steps `first_step` .. `first_step + steps - 1` under cProfile (the run
+    loop's thread only: reward threads and XLA's own threads are not in it), where the device trace
+    cannot say what the host did while the device waited: which Python calls a steady step spends its
+    wall time in. cProfile slows Python itself, so these steps are never the timed ones."""
+
+    def __init__(self, first_step: int, steps: int, top: int = 30):
+        if first_step < 1 or steps < 1:
+            raise ValueError("profile at least one step, after the first (which compiles)")
+        self.first_step, self.steps, self.top = first_step, steps, top
+        self.profiler = None
+        self.started = self.wall_s = None
+
+    def write(self, step, host, metrics) -> None:
+        import cProfile
+        import time
+
+        from locojax import metrics as m
+
+        if host != m.ALL_HOSTS:
+            return
+        if step == self.first_step - 1 and self.profiler is None:
+            self.profiler = cProfile.Profile()
+            self.started = time.perf_counter()
+            self.profiler.enable()
+        elif self.profiler is not None and self.wall_s is None and step == self.first_step + self.steps - 1:
+            self.profiler.disable()
+            self.wall_s = time.perf_counter() - self.started
+
+    def close(self) -> None:
+        if self.profiler is not None and self.wall_s is None:
+            self.profiler.disable()
+
+    def summary(self) -> dict | None:
+        """Per profiled step: the wall time, and the top functions by self time and by cumulative time
+        (seconds per step; `calls` per step), named `file:line(function)` with the path cut to its last
+        two parts."""
+        import pstats
+
+        if self.profiler is None or self.wall_s is None:
+            return None
+        stats = pstats.Stats(self.profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+
+        def name(key) -> str:
+            file, line, function = key
+            return f"{'/'.join(file.split('/')[-2:])}:{line}({function})" if line else function
+
+        def ranked(index: int) -> list[dict]:
+            keys = sorted(stats, key=lambda k: stats[k][index], reverse=True)[: self.top]
+            return [{"function": name(k), "calls_per_step": stats[k][1] / self.steps,
+                     "self_s_per_step": stats[k][2] / self.steps, "cumulative_s_per_step": stats[k][3] / self.steps}
+                    for k in keys]
+
+        return {"steps": self.steps, "wall_s_per_step": self.wall_s / self.steps,
+                "by_self_time": ranked(2), "by_cumulative_time": ranked(3),
+                "method": "cProfile over the run loop's thread for whole steps after the timed and traced ones; "
+                          "cProfile's own overhead inflates Python-heavy calls"}
+
+
 @dataclasses.dataclass
 class OpEvent:
     start_ns: float

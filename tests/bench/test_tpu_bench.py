@@ -49,6 +49,33 @@ def test_trace_reader_finds_the_ops_the_host_phases_and_the_idle_time_it_waited_
     assert summary["phase_wall_s_per_step"][m.TIME_ROLLOUT] > 0
 
 
+def test_host_profile_names_the_call_a_steady_step_spends_its_host_time_in():
+    """cProfile over steps 2-3 of 5, each a short sum then a distinctly named host function that
+    sleeps 20 ms: that function tops the cumulative ranking at one call and ~20 ms a step, and the
+    steps outside the window are not counted."""
+    from bench.profile_trace import HostProfiledSteps
+    from locojax import metrics as m
+
+    def host_work_that_keeps_the_device_waiting():
+        time.sleep(0.02)
+
+    sink = HostProfiledSteps(first_step=2, steps=2)
+    for step in range(5):
+        sum(range(1000))
+        host_work_that_keeps_the_device_waiting()
+        sink.write(step, m.ALL_HOSTS, {})
+        sink.write(step, 0, {})  # a host's own record is not a step boundary
+    sink.close()
+
+    summary = sink.summary()
+    assert summary["steps"] == 2 and 0.02 <= summary["wall_s_per_step"] < 0.2
+    top = summary["by_cumulative_time"][0]
+    assert "host_work_that_keeps_the_device_waiting" in top["function"]
+    assert top["calls_per_step"] == 1.0
+    assert 0.018 <= top["cumulative_s_per_step"] <= summary["wall_s_per_step"]
+    assert any("sleep" in f["function"] for f in summary["by_self_time"][:3])
+
+
 def test_busy_time_is_the_union_of_op_intervals_and_self_time_excludes_nested_ops():
     from bench.profile_trace import _self_times, union_ns
 
