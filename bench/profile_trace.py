@@ -311,6 +311,51 @@ def top_ops(ops: list[OpEvent], top: int) -> list[dict]:
             for (module, name), entry in ranked]
 
 
+def program_breakdown(profile, ops: list[OpEvent], phases: list[tuple[float, float, str]],
+                      window: tuple[float, float], marks: list[float], steps: int) -> dict | None:
+    """Where the idle time lies, from the device's "XLA Modules" line (a TPU trace has one; XLA:CPU's
+    does not, then None): between programs (no program running: the device waits on the host) or
+    inside them (a program runs, no op: gaps between its ops, e.g. a decode loop's small ops); per
+    program, its runs, wall and op-busy time a step; and the last step's timeline of host phases and
+    device programs (ms from that step's start mark)."""
+    start, end = window
+    spans = []
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name == MODULES_LINE:
+                spans += [(max(e.start_ns, start), min(e.start_ns + e.duration_ns, end), e.name)
+                          for e in line.events if e.start_ns + e.duration_ns > start and e.start_ns < end]
+    if not spans:
+        return None
+    spans.sort()
+    in_programs = union_ns([(a, b) for a, b, _ in spans])
+    busy = union_ns([(max(op.start_ns, start), min(op.end_ns, end)) for op in ops])
+    per_program: dict[str, dict] = {}
+    op_starts = sorted((op.start_ns, op.end_ns) for op in ops)
+    keys = [o[0] for o in op_starts]
+    for a, b, name in spans:
+        entry = per_program.setdefault(name.split("(")[0], {"runs": 0, "wall_ns": 0.0, "op_busy_ns": 0.0})
+        entry["runs"] += 1
+        entry["wall_ns"] += b - a
+        inside = op_starts[bisect.bisect_left(keys, a):bisect.bisect_left(keys, b)]
+        entry["op_busy_ns"] += union_ns([(x, min(y, b)) for x, y in inside])
+    last_start, last_end = marks[-2], marks[-1]
+    timeline = sorted([(a, b, f"phase {n}") for a, b, n in phases if last_start <= a < last_end]
+                      + [(a, b, f"device {n.split('(')[0]}") for a, b, n in spans if last_start <= a < last_end])
+    return {
+        "idle_between_programs_s_per_step": (end - start - in_programs) / 1e9 / steps,
+        "idle_inside_programs_s_per_step": max(in_programs - busy, 0.0) / 1e9 / steps,
+        "per_program": {name: {"runs_per_step": e["runs"] / steps, "wall_ms_per_step": e["wall_ns"] / 1e6 / steps,
+                               "op_busy_ms_per_step": e["op_busy_ns"] / 1e6 / steps}
+                        for name, e in sorted(per_program.items(), key=lambda item: -item[1]["wall_ns"])},
+        "last_step_timeline_ms": [{"what": what, "start_ms": round((a - last_start) / 1e6, 3),
+                                   "end_ms": round((b - last_start) / 1e6, 3)} for a, b, what in timeline[:80]],
+        "last_step_ms": (last_end - last_start) / 1e6,
+    }
+
+
 def summarise_trace(trace_dir: str, top: int = 15) -> dict:
     """`device_idle_fraction` of the window between the trace's first and last boundary marks, the
     ops' busy time there, and the top ops overall and per host phase."""
@@ -347,6 +392,7 @@ def summarise_trace(trace_dir: str, top: int = 15) -> dict:
         name = min(holding, key=lambda p: p[1] - p[0])[2] if holding else OUTSIDE_PHASES
         by_phase.setdefault(name, []).append(op)
     steps = len(marks) - 1
+    programs = program_breakdown(profile, inside, phases, (window_start, window_end), marks, steps)
     return {
         "device_idle_fraction": 1.0 - busy / window,
         "window_s": window / 1e9, "steps": steps, "busy_s": busy / 1e9,
@@ -358,6 +404,7 @@ def summarise_trace(trace_dir: str, top: int = 15) -> dict:
         "top_ops_by_phase": {name: {"op_self_s_per_step": sum(op.self_ns for op in group) / 1e9 / steps,
                                     "top_ops": top_ops(group, top), "top_kinds": top_kinds(group, top)}
                              for name, group in sorted(by_phase.items())},
+        **({"programs": programs} if programs else {}),
         "method": ("idle = 1 - union of op intervals / window; window = the steps between the first and last "
                    f"'{BOUNDARY}' marks (whole step periods); top ops by self time, share of the op time of "
                    "their group; an op's phase is the innermost 'phase:' annotation holding its start"),

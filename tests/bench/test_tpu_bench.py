@@ -49,6 +49,32 @@ def test_trace_reader_finds_the_ops_the_host_phases_and_the_idle_time_it_waited_
     assert summary["phase_wall_s_per_step"][m.TIME_ROLLOUT] > 0
 
 
+def test_program_breakdown_splits_idle_time_between_and_inside_programs():
+    """A device line of two programs in a 100 ns step window: `rollout` runs 10-50 with ops 10-20 and
+    30-50 (10 ns idle inside it), `train` runs 70-90 with one op over it; 20 + 30 ns nothing runs."""
+    from types import SimpleNamespace as N
+
+    from bench.profile_trace import MODULES_LINE, OpEvent, program_breakdown
+
+    def event(name, start, duration):
+        return N(name=name, start_ns=start, duration_ns=duration, stats=[])
+
+    modules = N(name=MODULES_LINE, events=[event("rollout(1)", 10, 40), event("train(2)", 70, 20)])
+    profile = N(planes=[N(name="/device:TPU:0", lines=[modules])])
+    ops = [OpEvent(10, 20, 10, "a", "rollout", "", ""), OpEvent(30, 50, 20, "b", "rollout", "", ""),
+           OpEvent(70, 90, 20, "c", "train", "", "")]
+    phases = [(0, 55, "time/rollout"), (60, 95, "time/train")]
+    breakdown = program_breakdown(profile, ops, phases, (0, 100), [0, 100], steps=1)
+    assert breakdown["idle_between_programs_s_per_step"] == pytest.approx(40e-9)
+    assert breakdown["idle_inside_programs_s_per_step"] == pytest.approx(10e-9)
+    assert breakdown["per_program"]["rollout"] == {"runs_per_step": 1.0, "wall_ms_per_step": 40e-6,
+                                                   "op_busy_ms_per_step": 30e-6}
+    assert [entry["what"] for entry in breakdown["last_step_timeline_ms"]] == [
+        "phase time/rollout", "device rollout", "phase time/train", "device train"]
+    no_device = N(planes=[N(name="/host:CPU", lines=[modules])])
+    assert program_breakdown(no_device, ops, phases, (0, 100), [0, 100], steps=1) is None
+
+
 def test_host_profile_names_the_call_a_steady_step_spends_its_host_time_in():
     """cProfile over steps 2-3 of 5, each a short sum then a distinctly named host function that
     sleeps 20 ms: that function tops the cumulative ranking at one call and ~20 ms a step, and the
