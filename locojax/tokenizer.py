@@ -23,6 +23,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0-255; then BOS, EOS, PAD."""
@@ -38,7 +40,11 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         # Special ids (and anything a larger model vocabulary might sample) carry no text.
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        return [self.decode(row) for row in rows]
 
 
 # Special tokens looked up in a tokenizer.json when the caller names none (Qwen3, Llama-3, generic).
@@ -94,6 +100,11 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        """`decode` of every row in one call into the library (a rollout's completions: the host's
+        share of a step's critical path, while the device waits for the train step)."""
+        return self._tok.decode_batch([np.asarray(row, np.int64).tolist() for row in rows], skip_special_tokens=True)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:

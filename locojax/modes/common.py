@@ -111,6 +111,19 @@ class DispatchedRollout:
     result: RolloutResult  # device arrays [b, N]
 
 
+@dataclasses.dataclass
+class PreparedRollout:
+    """A rollout's inputs before its dispatch (`RolloutRunner.prepare`): everything but the params."""
+
+    examples: list[Example]
+    prompt_tokens: np.ndarray
+    prompt_mask: np.ndarray
+    device_prompt_tokens: jax.Array
+    device_prompt_mask: jax.Array
+    key: jax.Array
+    row_offset: int
+
+
 @jax.jit
 def rollout_rows(prompt_tokens: jax.Array, prompt_mask: jax.Array, result: RolloutResult) -> dict[str, jax.Array]:
     """The train-step batch layout of `locojax.train` for a rollout's rows, built where the rollout is
@@ -161,17 +174,28 @@ class RolloutRunner:
     def dispatch(self, params_local: nnx.State, examples: Sequence[Example], key: jax.Array,
                  row_offset: int) -> DispatchedRollout:
         """`sample`, keeping the prompts' device copies for the train batch (`rollout_rows`)."""
+        return self.launch(params_local, self.prepare(examples, key, row_offset))
+
+    def prepare(self, examples: Sequence[Example], key: jax.Array, row_offset: int) -> PreparedRollout:
+        """A rollout's inputs, tokenised and on the rollout mesh, before the params it samples from
+        exist: the host can do this while the device still works on the step before."""
         tokens, mask = encode_prompts([e.prompt for e in examples], self.policy.tokenizer, self.prompt_len)
         device_tokens, device_mask = jax.device_put((tokens, mask), self.batch_sharding)
-        result = self.generate(params_local, device_tokens, device_mask, key, row_offset)
-        return DispatchedRollout(list(examples), tokens, mask, device_tokens, device_mask, result)
+        return PreparedRollout(list(examples), tokens, mask, device_tokens, device_mask, key, row_offset)
+
+    def launch(self, params_local: nnx.State, prepared: PreparedRollout) -> DispatchedRollout:
+        """Dispatch a prepared rollout from `params_local` (returns at once; the device samples)."""
+        result = self.generate(params_local, prepared.device_prompt_tokens, prepared.device_prompt_mask,
+                               prepared.key, prepared.row_offset)
+        return DispatchedRollout(prepared.examples, prepared.prompt_tokens, prepared.prompt_mask,
+                                 prepared.device_prompt_tokens, prepared.device_prompt_mask, result)
 
     def completions(self, result: RolloutResult) -> list[str]:
         return decode_completions(result, self.policy.tokenizer)
 
     def texts(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
         """Completion texts from host copies of a result's tokens and lengths."""
-        return [self.policy.tokenizer.decode(row[:length]) for row, length in zip(tokens, lengths)]
+        return self.policy.tokenizer.decode_batch([row[:length] for row, length in zip(tokens, lengths)])
 
 
 def prompts_for(task: Task, spec: RunSpec, step: int, host: int, num_hosts: int) -> list[Example]:

@@ -231,12 +231,22 @@ def test_reward_sleep_shows_up_as_host_time(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("test_rewards_allowed")
-def test_steady_steps_trace_and_compile_nothing(tmp_path):
+def test_steady_steps_trace_and_compile_nothing(tmp_path, monkeypatch):
     """After its first steps a CO run reuses every compiled program: a retrace or recompile per step would
-    cost a TPU run seconds a step (a shape, a Python scalar or a sharding that changes between steps)."""
+    cost a TPU run seconds a step (a shape, a Python scalar or a sharding that changes between steps).
+    And the host prepares each next rollout's inputs before it waits on the current one's tokens, not
+    after the train step's dispatch, where the device would wait on it."""
     import jax.monitoring
 
+    from locojax.modes import common
     from locojax.modes.co import run_co
+
+    order: list[str] = []
+    real_prepare, real_texts = common.RolloutRunner.prepare, common.RolloutRunner.texts
+    monkeypatch.setattr(common.RolloutRunner, "prepare",
+                        lambda self, *args: order.append("prepare") or real_prepare(self, *args))
+    monkeypatch.setattr(common.RolloutRunner, "texts",
+                        lambda self, *args: order.append("texts") or real_texts(self, *args))
 
     events: list[str] = []
     watched = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
@@ -269,6 +279,8 @@ def test_steady_steps_trace_and_compile_nothing(tmp_path):
         run_co(spec, console=False, extra_sinks=[marks])
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
+    # Step 0's own inputs, then each step's next ones before its tokens are read; none after the last.
+    assert order == ["prepare"] + ["prepare", "texts"] * 5 + ["texts"]
     assert marks.seen[0] > 0  # the first step compiled: the listener sees what it should
     # Step 1's rollout was dispatched during step 0; from step 2 on nothing is new.
     assert marks.seen[5] == marks.seen[1], events[marks.seen[1]:]

@@ -11,6 +11,10 @@ def test_byte_tokenizer_round_trips_unicode_and_drops_specials():
     assert ids[0] == tok.bos_id and max(ids[1:]) < 256
     assert tok.decode(ids + [tok.eos_id, tok.pad_id, 300]) == text
     assert load_tokenizer(None).vocab_size == 259
+    # A rollout's rows (numpy, int32, each cut at its length) decode at once to what each row does.
+    rows = [np.array(ids + [tok.eos_id, 300], np.int32), np.array([tok.pad_id] * 3 + ids[:4], np.int32)]
+    assert tok.decode_batch([rows[0][:-1], rows[1], rows[1][:0]]) == [text, "12+", ""]
+    assert tok.decode(np.array([0xE2, 0x80], np.int32)) == "\ufffd"  # a cut multi-byte character
 
 
 def test_pad_left_truncates_from_the_left():
@@ -39,6 +43,9 @@ def test_hf_tokenizer_json_loads_through_tokenizers(tmp_path):
     assert tok.pad_id == tokenizer.token_to_id("<|endoftext|>")
     ids = tok.encode("12+5=17 #### 17")
     assert tok.decode(ids + [tok.eos_id]) == "12+5=17 #### 17"
+    rows = [np.array(ids + [tok.eos_id], np.int32), np.array(tok.encode("what is 12"), np.int64),
+            np.array([], np.int32)]
+    assert tok.decode_batch(rows) == [tok.decode(row) for row in rows] == ["12+5=17 #### 17", "what is 12", ""]
 
 
 def test_missing_tokenizer_file_is_named(tmp_path):
