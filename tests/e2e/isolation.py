@@ -183,12 +183,16 @@ def _forged_row_and_backfill(stack: Stack, http: httpx.Client, submit: dict[str,
     response = http.post("/api/v1/runs", json={"spec": spec}, headers=submit)
     response.raise_for_status()
     huge = response.json()["id"]
+    # Forged on the run that stays QUEUED (no 512 hosts here): the 1-host run below may be placed within
+    # a scheduler tick of its submission, and then its host's worker may rightly report its process (a CI
+    # run forged that row after the placement and got 200). The small run starting after it is the check
+    # that the forged row wedged nothing.
+    forged = {"host_name": stack.plane.host_names[0], "role": "co", "status": "EXITED", "attempt": 0}
+    response = http.put(f"/api/v1/runs/{huge}/hosts/0", json=forged, headers=worker)
+    log.record("a forged process row for a queued run", f"PUT /api/v1/runs/{huge}/hosts/0 status=EXITED", response,
+               _refused(response, 409, "PROCESS_NOT_PLACED") and _status(stack, huge) == "QUEUED")
     small = http.post("/api/v1/runs", json={"spec": tiny_spec(f"small-{secrets.token_hex(2)}", hosts=1, steps=1)},
                       headers=submit).json()["id"]
-    forged = {"host_name": stack.plane.host_names[0], "role": "co", "status": "EXITED", "attempt": 0}
-    response = http.put(f"/api/v1/runs/{small}/hosts/0", json=forged, headers=worker)
-    log.record("a forged process row for a queued run", f"PUT /api/v1/runs/{small}/hosts/0 status=EXITED", response,
-               _refused(response, 409, "PROCESS_NOT_PLACED"))
     with stack.client() as api:
         try:
             started = wait_until(lambda: api.get_run(small)["status"] != "QUEUED", 60, "the small run to start")
