@@ -70,6 +70,24 @@ def mark_boundary(step: int) -> None:
         pass
 
 
+# What the trace records beside the device's ops. JAX's default also traces every Python call on the
+# host (python_tracer_level 1), which slowed the host ~3x in the traced steps at size a (TPU, a73e95c:
+# 15 ms from the train phase's start to the rollout's dispatch, 4.5 ms under cProfile) and so made the
+# device look idle for the tracer's own time. The idle fraction needs the device's ops, the host's
+# phase annotations and the step marks (host TraceMes, level >= 1) only; cProfile says where the host's
+# Python time goes (HostProfiledSteps).
+TRACE_OPTIONS = {"python_tracer_level": 0, "host_tracer_level": 2}
+
+
+def trace_options():
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    for name, value in TRACE_OPTIONS.items():
+        setattr(options, name, value)
+    return options
+
+
 class ProfiledSteps:
     """A metric sink that traces steps `first_step` .. `first_step + steps - 1` into `trace_dir`."""
 
@@ -88,7 +106,7 @@ class ProfiledSteps:
         import jax
 
         if step == self.first_step - 1 and not self.traced:
-            jax.profiler.start_trace(self.trace_dir)
+            jax.profiler.start_trace(self.trace_dir, profiler_options=trace_options())
             self.tracing = True
             mark_boundary(step)
         elif self.tracing:
@@ -397,6 +415,7 @@ def summarise_trace(trace_dir: str, top: int = 15) -> dict:
         "device_idle_fraction": 1.0 - busy / window,
         "window_s": window / 1e9, "steps": steps, "busy_s": busy / 1e9,
         "op_events": len(inside), "source": source, "trace_file": os.path.basename(path), "alignment": alignment,
+        "trace_options": TRACE_OPTIONS,
         "phase_wall_s_per_step": {name: sum(p[1] - p[0] for p in phases if p[2] == name) / 1e9 / steps
                                   for name in sorted({p[2] for p in phases})},
         "top_ops": top_ops(inside, top),
