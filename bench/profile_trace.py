@@ -34,6 +34,7 @@ from typing import Iterator
 BOUNDARY = "locojax_bench_step_boundary"
 PHASE_PREFIX = "phase:"
 OPS_LINE, MODULES_LINE = "XLA Ops", "XLA Modules"
+HOST_MARK_PREFIXES = ("dispatch", "wait", "host")  # the engine's TraceAnnotations (locojax/modes/co.py)
 OUTSIDE_PHASES = "outside phases"
 
 
@@ -360,7 +361,11 @@ def program_breakdown(profile, ops: list[OpEvent], phases: list[tuple[float, flo
         inside = op_starts[bisect.bisect_left(keys, a):bisect.bisect_left(keys, b)]
         entry["op_busy_ns"] += union_ns([(x, min(y, b)) for x, y in inside])
     last_start, last_end = marks[-2], marks[-1]
+    # The engine's own host annotations inside the phases (CO's "dispatch:train", "wait:rollout tokens", ...).
+    marked = [(e.start_ns, e.start_ns + e.duration_ns, e.name)
+              for e in host_events(profile, lambda name: name.split(":")[0] in HOST_MARK_PREFIXES)]
     timeline = sorted([(a, b, f"phase {n}") for a, b, n in phases if last_start <= a < last_end]
+                      + [(a, b, f"host {n}") for a, b, n in marked if last_start <= a < last_end]
                       + [(a, b, f"device {n.split('(')[0]}") for a, b, n in spans if last_start <= a < last_end])
     return {
         "idle_between_programs_s_per_step": (end - start - in_programs) / 1e9 / steps,

@@ -103,23 +103,27 @@ class COSession(TrainerSession):
                 rows["ref_logprobs"] = self.reference_logprobs(
                     self.reference_params, rows["tokens"], rows["prompt_mask"], rows["completion_mask"])
             self._prepare_next(step + 1)  # the host's part of the next rollout, while the device samples
-            with timer.device() as span:
+            with timer.device() as span, jax.profiler.TraceAnnotation("wait:rollout tokens"):
                 # One transfer of what the host needs: the texts to score and the metrics.
                 tokens, lengths, mask = span.ready(jax.device_get(
                     (rollout.result.tokens, rollout.result.lengths, rollout.result.mask)))
-            completions = self.runner.texts(tokens, lengths)
+            with jax.profiler.TraceAnnotation("host:texts"):
+                completions = self.runner.texts(tokens, lengths)
         rollout_s = timer.last_phase(m.TIME_ROLLOUT)
         where(step, "reward")
         rewards, per_fn, advantages = score_and_normalise(
             spec, trainer.task, rollout.examples, completions, self.pool, timer)
         where(step, "train")
         with timer.device(m.TIME_TRAIN) as span:
-            rows["advantages"] = jax.device_put(advantages, self.runner.batch_sharding)
-            trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch_from_device(rows))
+            with jax.profiler.TraceAnnotation("dispatch:train"):  # in a profile's timeline; ~1 us otherwise
+                rows["advantages"] = jax.device_put(advantages, self.runner.batch_sharding)
+                trainer.state, train_metrics = trainer.train_step(trainer.state, trainer.global_batch_from_device(rows))
             # The next step's rollout goes in the chip's queue now, so it starts as soon as this update
             # is done, while this host logs the step and the next one begins.
-            self._prefetch_rollout(step + 1)
-            span.ready(trainer.state)
+            with jax.profiler.TraceAnnotation("dispatch:next rollout"):
+                self._prefetch_rollout(step + 1)
+            with jax.profiler.TraceAnnotation("wait:train"):
+                span.ready(trainer.state)
         record = {**rollout_metrics(tokens, mask, rewards, per_fn, spec.rollout.group_size, rollout_s,
                                     trainer.policy.tokenizer.eos_id),
                   **train_metrics}
@@ -134,8 +138,11 @@ class COSession(TrainerSession):
     def _dispatch_rollout(self, step: int) -> DispatchedRollout:
         prepared = self._prepared if self._prepared is not None and self._prepared.step == step else None
         self._prepared = None
-        local_params = to_local(self.trainer.state.model_params, self.runner.replicated)
-        return self.runner.launch(local_params, prepared.inputs if prepared else self._prepared_inputs(step))
+        inputs = prepared.inputs if prepared else self._prepared_inputs(step)
+        with jax.profiler.TraceAnnotation("dispatch:rollout params"):
+            local_params = to_local(self.trainer.state.model_params, self.runner.replicated)
+        with jax.profiler.TraceAnnotation("dispatch:rollout launch"):
+            return self.runner.launch(local_params, inputs)
 
     def _prefetch_due(self, step: int) -> bool:
         """Whether step `step`'s rollout is dispatched ahead: not past the run's end, nor with an

@@ -306,7 +306,9 @@ class Trainer:
         memory, as `jax.make_array_from_process_local_data` takes this process's rows from there."""
         if jax.process_count() > 1:
             return self.global_batch(jax.device_get(local_rows))
-        return {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in local_rows.items()}
+        # One batched call: a call per array cost the host ~0.3 ms each between the rewards and the train
+        # step's dispatch, with the device waiting (a TPU trace at the small preset).
+        return jax.device_put(local_rows, {k: batch_sharding(self.mesh, v.ndim) for k, v in local_rows.items()})
 
     def checkpoint(self, spec: RunSpec, force: bool = False) -> None:
         self.checkpoints.save(self.state, {"run": spec.name}, force=force)
