@@ -102,9 +102,10 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
-        """`decode` of every row in one call into the library (a rollout's completions: the host's
-        share of a step's critical path, while the device waits for the train step)."""
-        return self._tok.decode_batch([np.asarray(row, np.int64).tolist() for row in rows], skip_special_tokens=True)
+        """`decode` of every row in one call into the library: a rollout's completions, on the step's
+        critical path (the device waits for the advantages their rewards give)."""
+        return self._tok.decode_batch([np.asarray(row, np.int64).tolist() for row in rows],
+                                      skip_special_tokens=True)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
