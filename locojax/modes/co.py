@@ -22,8 +22,6 @@ With one process there is no `jax.distributed` at all; the same code runs on the
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
 from locojax import metrics as m
@@ -82,7 +80,8 @@ class COSession(TrainerSession):
         self._next_rollout: DispatchedRollout | None = None
         self._next_rollout_step: int | None = None
         # The next step's rollout inputs, prepared while the device samples this step's (`_prepare_next`).
-        self._prepared: _StepInputs | None = None
+        self._prepared: PreparedRollout | None = None
+        self._prepared_step: int | None = None
 
     def evaluate(self, step: int, where: HostStatus) -> dict[str, float]:
         if self.evaluator is None or not evaluation_due(self.spec.eval, step):
@@ -136,9 +135,8 @@ class COSession(TrainerSession):
         return self.runner.prepare(examples, rollout_key(self.spec.seed, step), self.host * self.rows_per_host)
 
     def _dispatch_rollout(self, step: int) -> DispatchedRollout:
-        prepared = self._prepared if self._prepared is not None and self._prepared.step == step else None
-        self._prepared = None
-        inputs = prepared.inputs if prepared else self._prepared_inputs(step)
+        inputs = self._prepared if self._prepared_step == step else self._prepared_inputs(step)
+        self._prepared = self._prepared_step = None
         with jax.profiler.TraceAnnotation("dispatch:rollout params"):
             local_params = to_local(self.trainer.state.model_params, self.runner.replicated)
         with jax.profiler.TraceAnnotation("dispatch:rollout launch"):
@@ -154,7 +152,7 @@ class COSession(TrainerSession):
         would otherwise make them between the train step's dispatch and the rollout's, with the device
         idle after the train step (a TPU trace at size a: 4-13 ms a step)."""
         if self._prefetch_due(step):
-            self._prepared = _StepInputs(step, self._prepared_inputs(step))
+            self._prepared, self._prepared_step = self._prepared_inputs(step), step
 
     def _prefetch_rollout(self, step: int) -> None:
         """Dispatch step `step`'s rollout ahead, from the params just updated (`_prefetch_due`)."""
@@ -173,12 +171,6 @@ class COSession(TrainerSession):
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         super().close()
-
-
-@dataclasses.dataclass
-class _StepInputs:
-    step: int
-    inputs: PreparedRollout
 
 
 def run_co(spec: RunSpec, **options) -> RunResult:
