@@ -71,6 +71,7 @@ import os
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 import types
@@ -295,7 +296,7 @@ def locojax_side(args) -> None:
     from locojax.modes.co import run_co
     from locojax.placement.memory import GiB, MemoryPlanError, plan_for_spec, refusal
 
-    from bench.profile_trace import HostProfiledSteps, ProfiledSteps, annotated_phases, summarise_trace
+    from bench.profile_trace import HostProfiledSteps, ProfiledSteps, annotated_phases, summarise_trace, trace_file
 
     assert len(jax.devices()) == 1, jax.devices()
     base = workload_from_args(args)
@@ -428,6 +429,9 @@ def locojax_side(args) -> None:
     if trace_dir:
         try:
             profile = summarise_trace(trace_dir)
+            if args.keep_trace:  # the raw trace, for what the summary leaves out (e.g. the host's threads)
+                args.keep_trace.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(trace_file(trace_dir), args.keep_trace)
         except (OSError, ValueError) as error:
             profile = {"error": _error_line(error)}
     print(json.dumps({
@@ -610,6 +614,8 @@ class Orchestrator:
                 command += ["--profile-steps", str(args.profile_steps)]
             if profile and args.host_profile_steps:
                 command += ["--host-profile-steps", str(args.host_profile_steps)]
+            if profile and args.profile_steps and args.keep_trace:
+                command += ["--keep-trace", str(args.keep_trace)]
             if args.compiled_plan:
                 command += ["--compiled-plan"]
             command += ["--time-left-s", f"{timeout:.0f}"]
@@ -877,6 +883,8 @@ def main() -> None:
                         help="the stage's time: no run is started that would not finish within it")
     parser.add_argument("--profile-steps", type=int, default=None,
                         help="steps profiled after our side's last timed run (default 3 on a TPU, 0 on a CPU)")
+    parser.add_argument("--keep-trace", type=Path, default=None,
+                        help="copy the profiled steps' raw trace (*.xplane.pb) to this file")
     parser.add_argument("--host-profile-steps", type=int, default=None,
                         help="steps run under cProfile after the profiled ones, in the same run (default 3 on "
                              "a TPU, 0 on a CPU)")

@@ -187,6 +187,10 @@ class RolloutRunner:
         """Dispatch a prepared rollout from `params_local` (returns at once; the device samples)."""
         result = self.generate(params_local, prepared.device_prompt_tokens, prepared.device_prompt_mask,
                                prepared.key, prepared.row_offset)
+        # The host reads these three next (texts, rewards, metrics): their copies start as soon as the
+        # device has them, not when the host asks.
+        for host_bound in (result.tokens, result.lengths, result.mask):
+            host_bound.copy_to_host_async()
         return DispatchedRollout(prepared.examples, prepared.prompt_tokens, prepared.prompt_mask,
                                  prepared.device_prompt_tokens, prepared.device_prompt_mask, result)
 
