@@ -109,10 +109,18 @@ def to_local(params: nnx.State, sharding: NamedSharding) -> nnx.State:
     not copied: a copy cost the host ~1 ms a step on a TPU (an array object per leaf, twice) while the
     device waited for the rollout's dispatch. They are the same buffers, so a caller that donates the
     originals (the train step) must be done with them first, as a dispatched rollout is."""
-    leaves = jax.tree.leaves(params)
-    if leaves and all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim) for x in leaves):
+    if already_local(params, sharding):
         return params
     return jax.device_put(jax.tree.map(host_copy, params), sharding)
+
+
+def already_local(params: nnx.State, sharding: NamedSharding) -> bool:
+    """Whether `to_local(params, sharding)` is `params` itself: every leaf (arrays, or abstract
+    `ShapeDtypeStruct`s with their shardings, as the compiled plan lowers the run's programs with) is
+    already placed as `sharding` places it."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and all(getattr(x, "sharding", None) is not None
+                                and x.sharding.is_equivalent_to(sharding, len(x.shape)) for x in leaves)
 
 
 def host_copy(x: jax.Array):

@@ -35,7 +35,8 @@ from locojax.rollout import (
 )
 from locojax.contract import EngineStatus, HostStatus
 from locojax.modes import spec_mode
-from locojax.policy import Policy, abstract_policy, host_copy, load_policy, sampling_config, to_local  # noqa: F401  (the modes' imports)
+from locojax.policy import (  # noqa: F401  (the modes' imports)
+    Policy, abstract_policy, already_local, host_copy, load_policy, sampling_config, to_local)
 from locojax.runner import ModeSession
 from locojax.spec import RunSpec
 from locojax.tasks import Example, Task, host_shard, repeat_examples, reward_names
@@ -446,7 +447,11 @@ def check_compiled_plan(spec: RunSpec, shapes: Policy, optimizer, mesh: jax.shar
                                     tuple(rollout_devices))
         rollout_mesh_ = generate.batch_sharding.mesh
         replicated = NamedSharding(rollout_mesh_, PartitionSpec())
-        local_params = _abstract(shapes.params, jax.tree.map(lambda _: replicated, shapes.params))
+        # As `to_local` will hand them to the rollout and the reference pass: the train state's own
+        # arrays where already placed so, else copies on the rollout mesh (the shardings are part of what
+        # the programs are compiled for).
+        local_params = (params if already_local(params, replicated)
+                        else _abstract(shapes.params, jax.tree.map(lambda _: replicated, shapes.params)))
         prompts = jax.ShapeDtypeStruct((host_rows, prompt_len), jnp.int32, sharding=generate.batch_sharding)
         prompt_mask = jax.ShapeDtypeStruct((host_rows, prompt_len), jnp.bool_, sharding=generate.batch_sharding)
         key = jax.eval_shape(lambda: rollout_key(spec.seed, 0))
