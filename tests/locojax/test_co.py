@@ -96,6 +96,34 @@ def test_two_hosts_equal_one_host_with_two_devices(tmp_path):
         assert set(sums) == {0, 1} and sums[0] == sums[1]
 
 
+def test_params_already_on_the_rollout_devices_are_handed_over_not_copied(four_cpu_devices):
+    """One device (or the same devices, replicated): to_local hands the train state's own arrays to the
+    rollout, and the compiled plan's abstract params agree (`already_local`), so it lowers the programs
+    for what the run passes. Sharded over the train mesh's devices, they are copied, replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from locojax.model.sharding import make_mesh
+    from locojax.policy import already_local, to_local
+    from locojax.rollout import rollout_mesh
+
+    values = np.arange(32, dtype=np.float32).reshape(4, 8)
+    one = make_mesh(jax.devices()[:1])
+    on_one = {"w": jax.device_put(values, NamedSharding(one, P(None, "fsdp")))}  # replicated on one device
+    rollout_one = NamedSharding(rollout_mesh(1, jax.devices()[:1]), P())
+    assert to_local(on_one, rollout_one)["w"] is on_one["w"]
+    abstract = {"w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=on_one["w"].sharding)}
+    assert already_local(abstract, rollout_one)
+
+    two = make_mesh(jax.devices()[:2], fsdp=2)
+    sharded = {"w": jax.device_put(values, NamedSharding(two, P("fsdp", None)))}
+    rollout_two = NamedSharding(rollout_mesh(2, jax.devices()[:2]), P())
+    assert not already_local(sharded, rollout_two)
+    local = to_local(sharded, rollout_two)
+    assert local["w"] is not sharded["w"] and local["w"].is_fully_replicated
+    assert local["w"].sharding.is_equivalent_to(rollout_two, 2)
+    np.testing.assert_array_equal(np.asarray(local["w"]), values)
+
+
 # Run as process 0 and 1 of a 2-process job with 2 CPU devices each: the mesh is data 2 (one row per
 # process) x fsdp 2 (within each process), the params' layout under placement.fsdp 2 on two hosts.
 HOST_LOCAL_PROBE = """
