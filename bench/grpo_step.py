@@ -68,10 +68,10 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 import types

@@ -107,8 +107,9 @@ def to_local(params: nnx.State, sharding: NamedSharding) -> nnx.State:
 
     Params already placed so (one device, or replicated over the same devices) come back as they are,
     not copied: a copy cost the host ~1 ms a step on a TPU (an array object per leaf, twice) while the
-    device waited for the rollout's dispatch. They are the same buffers, so a caller that donates the
-    originals (the train step) must be done with them first, as a dispatched rollout is."""
+    device waited for the rollout's dispatch. They are the same buffers: the train step that donates
+    them must come after every program that reads them is dispatched (the runtime then orders the
+    donation after those reads), and no caller may keep them past it."""
     if already_local(params, sharding):
         return params
     return jax.device_put(jax.tree.map(host_copy, params), sharding)
