@@ -53,7 +53,9 @@ steps' wall time with no op running on the device, and the top ops by time per p
 periods are the same steps as in every other run; the profiler starts and stops outside them.
 `--host-profile-steps N` (default 3 on a TPU) then runs N more under cProfile: the Python calls the
 run loop's thread spends a steady step in (`host_profile`), i.e. what the host does while the device
-trace shows the device waiting.
+trace shows the device waiting. `--keep-trace FILE` keeps the profiled steps' raw trace (*.xplane.pb,
+~7 MB at size a): its host lines also hold the runtime's own events (transfers, buffer releases), which
+the summary leaves out (`jax.profiler.ProfileData.from_serialized_xspace` reads it on any machine).
 
 Every output (a part of a TPU refresh, or the CPU JSON) records the commit it measured, its date,
 the platform and device kind (bench/tpu_merge.py `part_header`). The last line printed is
