@@ -68,9 +68,8 @@ class COSession(TrainerSession):
         self.rows_per_host = prompts_per_host * spec.rollout.group_size
         self.runner = RolloutRunner(spec, self.trainer.policy, prompts_per_host, jax.local_devices())
         self.use_kl = spec.algo.kl_coef > 0
-        # One process: the rollout's rows move to the train mesh device to device, without waiting for the
-        # host (across processes they go through host memory: `Trainer.global_batch_from_device`).
-        self.rows_move_ahead = num_hosts == 1
+        # Rows that move to the train mesh device to device go there without waiting for the host.
+        self.rows_move_ahead = self.trainer.rows_move_on_devices
         if self.use_kl:  # the frozen reference is the starting policy (not a restored one), kept host-locally
             self.reference_params = to_local(self.trainer.reference_params, self.runner.replicated)
             self.reference_logprobs = reference_logprobs_fn(self.trainer.policy.graphdef, train_temperature(spec))

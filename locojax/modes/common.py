@@ -305,11 +305,17 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(batch_sharding(self.mesh, v.ndim), v)
                 for k, v in host_rows.items()}
 
+    @property
+    def rows_move_on_devices(self) -> bool:
+        """Whether rows on this host's devices reach the train mesh device to device (one process), not
+        through host memory (`global_batch_from_device`)."""
+        return jax.process_count() == 1
+
     def global_batch_from_device(self, local_rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """`global_batch` of rows already on this host's devices. With one process they move device to
         device onto the train mesh (nothing when already placed); across processes they go through host
         memory, as `jax.make_array_from_process_local_data` takes this process's rows from there."""
-        if jax.process_count() > 1:
+        if not self.rows_move_on_devices:
             return self.global_batch(jax.device_get(local_rows))
         # One batched call: a call per array cost the host ~0.3 ms each between the rewards and the train
         # step's dispatch, with the device waiting (a TPU trace at the small preset).
