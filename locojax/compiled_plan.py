@@ -42,15 +42,33 @@ def _device_bytes(tree: Any) -> float:
     return total
 
 
-def _compile_all(programs: dict[str, tuple[Callable, tuple]]) -> dict[str, Any]:
+class _Lowered:
+    """A program already lowered, as `_compile_all` takes programs: `.lower()` returns it."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def lower(self):
+        return self.lowered
+
+
+def _compile_all(programs: dict[str, tuple[Callable, tuple]],
+                 followers: dict[str, tuple[str, Callable]] | None = None) -> dict[str, Any]:
     """XLA's memory analysis of each (jitted, abstract arguments) program, keyed like `programs`.
 
     Each is traced and lowered here, one after the other (tracing holds the GIL), then all are compiled
     at once, one thread each: XLA compiles without the GIL, and a run's train step, rollout and KL pass
-    are independent programs, so the run's first step waits for the slowest compile, not their sum."""
+    are independent programs, so the run's first step waits for the slowest compile, not their sum.
+    `followers`: {name: (leader, lower)}, programs whose arguments come from another's compiled outputs
+    (the early forward's update takes its forward's saved buffers, whose shardings XLA picks when it
+    compiles the forward): `lower(leader's compiled program)` lowers one, in its own thread as soon as its
+    leader is compiled, beside the others."""
     lowered = {name: jitted.lower(*arguments) for name, (jitted, arguments) in programs.items()}
-    with ThreadPoolExecutor(max_workers=len(lowered), thread_name_prefix="locojax-compile") as pool:
+    followers = followers or {}
+    with ThreadPoolExecutor(max_workers=len(lowered) + len(followers), thread_name_prefix="locojax-compile") as pool:
         compiled = {name: pool.submit(lowering.compile) for name, lowering in lowered.items()}
+        for name, (leader, lower) in followers.items():
+            compiled[name] = pool.submit(lambda leader=leader, lower=lower: lower(compiled[leader].result()).compile())
         analyses = {}
         for name, future in compiled.items():
             try:
@@ -75,6 +93,8 @@ def program_too_large(name: str, error: Exception) -> str:
 
 # What each compiled program holds beyond the persistent state, as a refusal names it.
 PROGRAM_TERMS = {"train": "train step's temporaries (activations, gradients, logit chunks)",
+                 "train_forward": "train step's forward pass's temporaries and what it saves for the update "
+                                  "(activations, weights as the backward reads them)",
                  "rollout": "rollout's temporaries (KV cache, sampling logits)",
                  "reference": "KL reference pass's temporaries"}
 
@@ -112,11 +132,15 @@ def _transient(analysis, argument_bytes: float, platform: str) -> dict[str, floa
 def compiled_plan(*, train_step: Callable, abstract_state: Any, abstract_batch: dict, devices: Sequence[jax.Device],
                   mesh: MeshShape, remat: str, dtype: str,
                   rollout: tuple[Callable, tuple] | None = None, rollout_params: Any = None,
-                  reference: tuple[Callable, tuple] | None = None, reference_params: Any = None) -> MemoryPlan:
+                  reference: tuple[Callable, tuple] | None = None, reference_params: Any = None,
+                  early_forward: Any = None) -> MemoryPlan:
     """The plan of a run from its compiled programs: `train_step` (jitted) on the abstract state and
     batch; `rollout` = (jitted generate, its abstract arguments, params first), whose params are
     `rollout_params` (the same buffers as the state's params unless training shards them);
-    `reference` = (jitted KL log-prob pass, its abstract arguments, reference params first)."""
+    `reference` = (jitted KL log-prob pass, its abstract arguments, reference params first).
+    `early_forward` (a `locojax.train.EarlyForwardStep`): the run trains with its forward and update
+    instead of `train_step`; the train terms are those of the one of the two that needs more, the
+    forward's saved buffers counted as its outputs and as the update's inputs."""
     state_bytes = _device_bytes(abstract_state)  # the frozen weights (LoRA) included
     params_bytes = _device_bytes(abstract_state.params)
     frozen_bytes = _device_bytes(abstract_state.frozen)
@@ -124,14 +148,38 @@ def compiled_plan(*, train_step: Callable, abstract_state: Any, abstract_batch: 
     if abstract_state.frozen is not None:
         persistent = {"frozen": frozen_bytes, "adapters": params_bytes, "optimizer": persistent["optimizer"]}
     programs = {"train": (train_step, (abstract_state, abstract_batch))}
+    followers = None
+    if early_forward is not None:
+        forward = early_forward.lower_forward(abstract_state, abstract_batch)
+
+        saved_forward = []
+
+        def lower_update(compiled_forward):
+            saved = jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding),
+                                 forward.out_info, compiled_forward.output_shardings)
+            saved_forward.append(saved)
+            return early_forward.lower_update(abstract_state, abstract_batch, saved)
+
+        programs = {"train_forward": (_Lowered(forward), ())}
+        followers = {"train": ("train_forward", lower_update)}
     if rollout is not None:
         programs["rollout"] = rollout
     if reference is not None:
         programs["reference"] = reference
-    analyses = _compile_all(programs)
+    analyses = _compile_all(programs, followers)
     platform = devices[0].platform
     train = {f"train_{name}": value
              for name, value in _transient(analyses["train"], state_bytes, platform).items()}
+    if early_forward is not None:
+        # What the forward saves is its output and the update's input: a term of its own in both.
+        saved_bytes = _device_bytes(saved_forward[0])
+        train["train_inputs"] = max(0.0, train["train_inputs"] - saved_bytes)
+        train["train_saved_forward"] = saved_bytes
+        # The forward's arguments are the weights (params and frozen), not the optimizer state.
+        forward = _transient(analyses["train_forward"], params_bytes + frozen_bytes, platform)
+        forward = {"train_temporaries": forward["temporaries"], "train_inputs": forward["inputs"],
+                   "train_outputs": max(0.0, forward["outputs"] - saved_bytes), "train_saved_forward": saved_bytes}
+        train = max(train, forward, key=lambda terms: sum(terms.values()))
     rollout_terms: dict[str, float] = {}
     if rollout is not None:
         held = _device_bytes(rollout[1][0])

@@ -168,6 +168,12 @@ class PlacementSpec(_Strict):
                       "are sharded over (FSDP); the batch is split over data x fsdp")
     tensor: int = Field(1, ge=1, le=64, description="devices per host each layer's heads, MLP and vocabulary "
                         "are split over (tensor parallelism)")
+    early_forward: Literal["auto"] | bool = Field("auto", description=(
+        "CO: the update's forward pass goes to the chip right after the rollout and runs while the host "
+        "scores the rewards; the update then only pulls the loss's gradient back through what it saved (two "
+        "programs instead of one, the same numbers). Applies with one process, algo.num_iterations 1 and "
+        "the batch in one micro-batch; auto: where it applies, on accelerators (whose compiled memory "
+        "plan counts what the forward saves)"))
 
     @model_validator(mode="after")
     def _mesh_fits_host(self) -> "PlacementSpec":
@@ -186,6 +192,8 @@ class PlacementSpec(_Strict):
             raise ValueError(error)
         if self.rollout_fraction is not None and not mode.rollout_groups:
             raise ValueError("placement.rollout_fraction only applies to mode 'da'")
+        if self.early_forward is True and self.mode != "co":
+            raise ValueError("placement.early_forward only applies to mode 'co'")
         return self
 
     @property

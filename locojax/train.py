@@ -347,6 +347,14 @@ def _accumulate(loss_fn, params: nnx.State, frozen, micro: Mapping[str, jax.Arra
     return grads, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
 
 
+def packs_gradients(mesh: Mesh | None, rows_per_micro: int) -> bool:
+    """Whether `packed_data_parallel_grads` reduces the gradients itself (one packed psum under
+    `shard_map`): on a mesh whose only non-trivial axis is `data`, splitting every micro-batch evenly."""
+    data = mesh.shape.get("data", 1) if mesh is not None else 1
+    return data > 1 and rows_per_micro % data == 0 and not any(
+        size > 1 for axis, size in mesh.shape.items() if axis != "data")
+
+
 def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_per_micro: int):
     """`grads_fn(params, frozen, micro) -> (grads, metrics)` summed over the whole (sharded) batch.
 
@@ -359,9 +367,7 @@ def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_
     def plain(params, frozen, micro):
         return _accumulate(loss_fn, params, frozen, micro, num_micro)
 
-    data = mesh.shape.get("data", 1) if mesh is not None else 1
-    if data <= 1 or rows_per_micro % data or any(
-            size > 1 for axis, size in mesh.shape.items() if axis != "data"):
+    if not packs_gradients(mesh, rows_per_micro):
         return plain
 
     def local(params, frozen, micro):
@@ -402,6 +408,43 @@ def _check_batch(batch: Batch, required: tuple[str, ...]) -> None:
 # GRPO
 
 
+def _grpo_objective(graphdef: nnx.GraphDef, optimizer: Optimizer, algo: AlgoSpec, temperature: float):
+    """The GRPO step's pieces that the fused step and the early-forward step share: the batch keys it
+    reads, the loss as a function of the completion's log-probs (the params enter only through them),
+    and the whole-batch inputs of that loss."""
+    if optimizer.updates_per_step != algo.num_iterations:
+        raise ValueError(
+            f"optimizer built for {optimizer.updates_per_step} updates per step but algo.num_iterations is "
+            f"{algo.num_iterations}; pass updates_per_step=algo.num_iterations to make_optimizer")
+    if temperature <= 0:
+        raise ValueError(f"training needs the sampling temperature > 0, got {temperature}")
+    loss_weights_fn = LOSS_AGGREGATIONS.get(algo.loss_agg)
+    policy_loss = POLICY_LOSSES.get(algo.loss)
+    clip_low = algo.clip_eps
+    clip_high = algo.clip_eps if algo.clip_eps_high is None else algo.clip_eps_high
+    use_kl = algo.kl_coef > 0.0
+    required = ("tokens", "prompt_mask", "completion_mask", "old_logprobs", "advantages") + (
+        ("ref_logprobs",) if use_kl else ())
+
+    def loss_of_logprobs(logp, entropy, mb):
+        return policy_loss(
+            logp, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], mb["loss_weights"],
+            mb["mean_weights"], clip_eps_low=clip_low, clip_eps_high=clip_high, kl_coef=algo.kl_coef,
+            ref_logprobs=mb.get("ref_logprobs"), entropy=jax.lax.stop_gradient(entropy))
+
+    def loss_inputs(batch: Batch) -> dict[str, jax.Array]:
+        _check_batch(batch, required)
+        completion_mask = batch["completion_mask"].astype(bool)
+        inputs = {k: batch[k] for k in required}
+        inputs["completion_mask"] = completion_mask
+        # Whole-batch normalisers, computed before splitting (see locojax.algo.losses).
+        inputs["loss_weights"] = loss_weights_fn(completion_mask)  # [B, N]
+        inputs["mean_weights"] = token_mean_weights(completion_mask)  # [B, N]
+        return inputs
+
+    return required, loss_of_logprobs, loss_inputs
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: Optimizer,
@@ -428,37 +471,16 @@ def make_train_step(
     The state is donated when jitted: hold no other reference to its arrays (e.g. copy the initial
     params before using them as the frozen KL reference).
     """
-    if optimizer.updates_per_step != algo.num_iterations:
-        raise ValueError(
-            f"optimizer built for {optimizer.updates_per_step} updates per step but algo.num_iterations is "
-            f"{algo.num_iterations}; pass updates_per_step=algo.num_iterations to make_optimizer")
-    if temperature <= 0:
-        raise ValueError(f"training needs the sampling temperature > 0, got {temperature}")
-    loss_weights_fn = LOSS_AGGREGATIONS.get(algo.loss_agg)
-    policy_loss = POLICY_LOSSES.get(algo.loss)
-    clip_low = algo.clip_eps
-    clip_high = algo.clip_eps if algo.clip_eps_high is None else algo.clip_eps_high
-    use_kl = algo.kl_coef > 0.0
-    required = ("tokens", "prompt_mask", "completion_mask", "old_logprobs", "advantages") + (
-        ("ref_logprobs",) if use_kl else ())
+    _, loss_of_logprobs, loss_inputs = _grpo_objective(graphdef, optimizer, algo, temperature)
 
     def loss_fn(params, frozen, mb):
         logp, entropy = completion_logprobs_and_entropy(
             graphdef, model_params(params, frozen), mb["tokens"], mb["prompt_mask"], mb["completion_mask"], temperature, remat=remat)
-        return policy_loss(
-            logp, mb["old_logprobs"], mb["advantages"], mb["completion_mask"], mb["loss_weights"],
-            mb["mean_weights"], clip_eps_low=clip_low, clip_eps_high=clip_high, kl_coef=algo.kl_coef,
-            ref_logprobs=mb.get("ref_logprobs"), entropy=jax.lax.stop_gradient(entropy))
+        return loss_of_logprobs(logp, entropy, mb)
 
     def train_step(state: TrainState, frozen, batch: Batch) -> tuple[TrainState, Metrics]:
-        _check_batch(batch, required)
-        completion_mask = batch["completion_mask"].astype(bool)
+        inputs = loss_inputs(batch)
         num_micro, grads_fn = _gradient_plan(loss_fn, batch, algo.micro_batch_size, mesh)
-        inputs = {k: batch[k] for k in required}
-        inputs["completion_mask"] = completion_mask
-        # Whole-batch normalisers, computed before splitting (see locojax.algo.losses).
-        inputs["loss_weights"] = loss_weights_fn(completion_mask)  # [B, N]
-        inputs["mean_weights"] = token_mean_weights(completion_mask)  # [B, N]
         micro = _split_micro(inputs, num_micro)
 
         def update(carry, _):
@@ -479,6 +501,111 @@ def make_train_step(
     if jit:
         return _donating_step(train_step, compiler_options)
     return lambda state, batch: train_step(state.replace(frozen=None), state.frozen, batch)
+
+
+# ------------------------------------------------------------------------------------------------
+# GRPO with an early forward pass
+
+
+def early_forward_applies(algo: AlgoSpec, mesh: Mesh | None, rows: int, seq_len: int) -> bool:
+    """Whether a GRPO step on `rows` x `seq_len` can run as `EarlyForwardStep`: one update per step and the
+    batch in one micro-batch. Its gradients are reduced by `jax.jit`, never packed: the packed reduction
+    pays off across processes (gloo), and the early forward serves one process (locojax.modes.co)."""
+    num_micro = num_micro_batches(rows, algo.micro_batch_size, seq_len, *_data_layout(mesh))
+    return algo.num_iterations == 1 and num_micro == 1
+
+
+@jax.tree_util.register_pytree_node_class
+class SavedForward:
+    """What the update's forward pass leaves for its backward: the completion's log-probs and entropies
+    [B, N], and the residuals of `jax.vjp` (activations, and the weights in the form the backward reads
+    them). A residual that *is* one of the forward's weight arguments is not kept a second time: the
+    update takes it from its own arguments (`layout`, static: the vjp's tree and, per residual, its
+    weight's index in (params, frozen) leaves or -1 for one of `residuals`)."""
+
+    def __init__(self, logprobs: jax.Array, entropy: jax.Array, residuals: tuple, layout: tuple):
+        self.logprobs, self.entropy, self.residuals, self.layout = logprobs, entropy, residuals, layout
+
+    def tree_flatten(self):
+        return (self.logprobs, self.entropy, self.residuals), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(*children, layout)
+
+
+class EarlyForwardStep:
+    """The GRPO step (one update, one micro-batch) as two programs, so the chip runs the forward pass
+    while the host still scores the rewards: `forward(state, batch)` needs no advantages and returns a
+    `SavedForward`; `update(state, batch, saved)` (the state donated) takes the loss's gradient
+    with respect to the log-probs, pulls it back through the saved forward and applies AdamW. Same loss,
+    gradients and metrics as `make_train_step`'s step, which `fused` is (compiled plans and fallbacks).
+    Each of `forward` and `update` has `.lower(...)` with the same arguments (compiled plans)."""
+
+    def __init__(self, graphdef: nnx.GraphDef, optimizer: Optimizer, algo: AlgoSpec, *, temperature: float,
+                 mesh: Mesh | None, remat: str, compiler_options: CompilerOptions = None):
+        if algo.num_iterations != 1:
+            raise ValueError(f"an early forward pass serves one update per step; algo.num_iterations is "
+                             f"{algo.num_iterations}")
+        required, loss_of_logprobs, loss_inputs = _grpo_objective(graphdef, optimizer, algo, temperature)
+        self.forward_keys = tuple(k for k in required if k in ("tokens", "prompt_mask", "completion_mask"))
+        self.fused = make_train_step(graphdef, optimizer, algo, temperature=temperature, mesh=mesh, remat=remat,
+                                     compiler_options=compiler_options)
+
+        def check_one_pass(batch):
+            if not early_forward_applies(algo, mesh, batch["tokens"].shape[0], batch["tokens"].shape[1]):
+                raise ValueError("an early forward pass needs the whole batch in one micro-batch")
+
+        def forward(params, frozen, batch):
+            check_one_pass(batch)
+            completion_mask = batch["completion_mask"].astype(bool)
+
+            def logprobs(trained):
+                return completion_logprobs_and_entropy(
+                    graphdef, model_params(trained, frozen), batch["tokens"], batch["prompt_mask"],
+                    completion_mask, temperature, remat=remat)
+
+            logp, pullback, entropy = jax.vjp(logprobs, params, has_aux=True)
+            leaves, tree = jax.tree.flatten(pullback)
+            weights = {id(leaf): index for index, leaf in enumerate(jax.tree.leaves((params, frozen)))}
+            slots = tuple(weights.get(id(leaf), -1) for leaf in leaves)
+            residuals = tuple(leaf for leaf, slot in zip(leaves, slots) if slot < 0)
+            return SavedForward(logp, entropy, residuals, (tree, slots))
+
+        def update(state: TrainState, frozen, batch: Batch, saved: SavedForward) -> tuple[TrainState, Metrics]:
+            inputs = loss_inputs(batch)
+            tree, slots = saved.layout
+            weights, residuals = jax.tree.leaves((state.params, frozen)), iter(saved.residuals)
+            pullback = jax.tree.unflatten(tree, [weights[slot] if slot >= 0 else next(residuals) for slot in slots])
+            (_, metrics), logp_grad = jax.value_and_grad(loss_of_logprobs, has_aux=True)(
+                saved.logprobs, saved.entropy, inputs)
+            (grads,) = pullback(logp_grad)
+            params, opt_state, grad_norm = _apply(optimizer, state.params, state.opt_state, grads)
+            metrics = {**metrics, m.POLICY_GRAD_NORM: grad_norm, m.OPTIM_LR: optimizer.lr_schedule(state.step)}
+            return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+        self._forward = jax.jit(forward, compiler_options=compiler_options)
+        # The saved forward is not donated: no output of the update has a residual's shape, so XLA could
+        # reuse none of them; the caller lets go of it once the update is dispatched.
+        self._update = jax.jit(update, donate_argnums=0, compiler_options=compiler_options)
+
+    def _forward_args(self, state: TrainState, batch: Batch):
+        return state.params, state.frozen, {k: batch[k] for k in self.forward_keys}
+
+    def forward(self, state: TrainState, batch: Batch) -> SavedForward:
+        """Dispatch the forward pass on the state's params (not donated) and the batch's rows."""
+        return self._forward(*self._forward_args(state, batch))
+
+    def lower_forward(self, state: TrainState, batch: Batch):
+        return self._forward.lower(*self._forward_args(state, batch))
+
+    def update(self, state: TrainState, batch: Batch, saved: SavedForward) -> tuple[TrainState, Metrics]:
+        """The update from `saved`, the state's trained part donated (hold no other reference to it)."""
+        new_state, metrics = self._update(state.replace(frozen=None), state.frozen, batch, saved)
+        return new_state.replace(frozen=state.frozen), metrics
+
+    def lower_update(self, state: TrainState, batch: Batch, saved: SavedForward):
+        return self._update.lower(state.replace(frozen=None), state.frozen, batch, saved)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -527,7 +654,8 @@ def tokens_in_batch(batch: Batch) -> int:
 
 
 __all__ = [
-    "Batch", "CompilerOptions", "LOGPROB_VOCAB_CHUNK", "Metrics", "Optimizer", "StepFn", "TrainState",
+    "Batch", "CompilerOptions", "EarlyForwardStep", "LOGPROB_VOCAB_CHUNK", "Metrics", "Optimizer", "SavedForward",
+    "StepFn", "TrainState", "early_forward_applies",
     "chunked_logprobs_and_entropy", "completion_logprobs_and_entropy",
     "init_train_state", "lr_schedule", "make_logprobs_fn", "make_optimizer", "make_sft_step",
     "make_train_step", "model_params", "packed_data_parallel_grads", "reference_logprobs_fn", "sequence_logprobs", "split_params", "tokens_in_batch",

@@ -10,9 +10,10 @@ Every host runs this same loop as its own Python process (multi-controller). Per
   6. reports metrics (gathered so host 0 writes per-host and aggregate records) and checkpoints.
 The chip is kept fed (STYLE habit 14): rollout results stay on the devices and become the train rows
 there (only the tokens travel to the host, for scoring, and the advantages back); with a KL term the
-reference pass runs on the chip while the host scores; and right after the update is dispatched, the
-next step's rollout is queued behind it, so the chip decodes while the host logs this step and starts
-the next. The next step's `time/rollout` therefore counts only the part of its rollout that was not
+reference pass runs on the chip while the host scores, and so does the update's forward pass
+(placement.early_forward: the update then only pulls the loss's gradient back); and right after the
+update is dispatched, the next step's rollout is queued behind it, so the chip decodes while the host
+logs this step and starts the next. The next step's `time/rollout` therefore counts only the part of its rollout that was not
 yet done when that step began.
 With an eval block, steps it names start with a held-out evaluation (locojax.evaluate), outside the
 step's timers: each host evaluates its shard, and the counts travel in the step's metrics gather;
@@ -106,6 +107,10 @@ class COSession(TrainerSession):
                     self.reference_params, rows["tokens"], rows["prompt_mask"], rows["completion_mask"])
             if self.rows_move_ahead:  # to the train mesh now, queued too: only the advantages wait below
                 rows = trainer.global_batch_from_device(rows)
+            saved_forward = None
+            if trainer.early_forward is not None:  # the update's forward pass, queued too (rows_move_ahead)
+                with jax.profiler.TraceAnnotation("dispatch:train forward"):
+                    saved_forward = trainer.early_forward.forward(trainer.state, rows)
             self._prepare_next(step + 1)  # the host's part of the next rollout, while the device samples
             with timer.device() as span, jax.profiler.TraceAnnotation("wait:rollout tokens"):
                 # One transfer of what the host needs: the texts to score and the metrics.
@@ -130,12 +135,15 @@ class COSession(TrainerSession):
                 # dispatch: releasing their ~50 arrays held a TPU host 1.4-8.7 ms right here, the device
                 # idle behind it (a trace at size a).
                 previous_state = trainer.state
-                trainer.state, train_metrics = trainer.train_step(previous_state, batch)
+                if saved_forward is not None:
+                    trainer.state, train_metrics = trainer.early_forward.update(previous_state, batch, saved_forward)
+                else:
+                    trainer.state, train_metrics = trainer.train_step(previous_state, batch)
             # The next step's rollout goes in the chip's queue now, so it starts as soon as this update
             # is done, while this host logs the step and the next one begins.
             with jax.profiler.TraceAnnotation("dispatch:next rollout"):
                 self._prefetch_rollout(step + 1)
-            del previous_state, batch
+            del previous_state, batch, saved_forward
             with jax.profiler.TraceAnnotation("wait:train"):
                 span.ready(trainer.state)
         record = {**rollout_metrics(tokens, mask, rewards, per_fn, spec.rollout.group_size, rollout_s,

@@ -47,6 +47,8 @@ from locojax.placement.memory import MemoryPlan, MemoryPlanError, MeshShape, che
 from locojax.tasks import load_task_data
 from locojax.model.transformer import adapters_off, split_adapters
 from locojax.train import (
+    EarlyForwardStep,
+    early_forward_applies,
     model_params,
     reference_logprobs_fn,
     TrainState,
@@ -299,6 +301,8 @@ class Trainer:
     held_out: tuple[Example, ...] = ()
     # Parts of the setup's wall time (contract's SETUP_PARTS), for step 0's record.
     setup_phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The GRPO step as forward and update (placement.early_forward), where the run uses it; else None.
+    early_forward: EarlyForwardStep | None = None
 
     def global_batch(self, host_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> the global batch sharded over the mesh's data axis."""
@@ -370,11 +374,13 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
         model_started = time.perf_counter()
         policy = load_policy(spec, mesh)
         train_step = _train_step(spec, policy.graphdef, optimizer, mesh, samples)
+        early = _early_forward_step(spec, policy.graphdef, optimizer, mesh, local[0].platform)
     else:
         compile_started = time.perf_counter()
         shapes = abstract_policy(spec)
         train_step = _train_step(spec, shapes.graphdef, optimizer, mesh, samples)
-        check_compiled_plan(spec, shapes, optimizer, mesh, train_step, local, rollout_devices)
+        early = _early_forward_step(spec, shapes.graphdef, optimizer, mesh, local[0].platform)
+        check_compiled_plan(spec, shapes, optimizer, mesh, train_step, local, rollout_devices, early)
         model_started = time.perf_counter()
         compile_s = model_started - compile_started
         policy = load_policy(spec)
@@ -399,7 +405,7 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
     setup_phases = {m.TIME_SETUP_COMPILE: compile_s, m.TIME_SETUP_MODEL: time.perf_counter() - model_started}
     data = load_task_data(spec.task, spec.eval)
     return Trainer(policy, data.train, mesh, state, train_step, checkpoints, start_step, reference_params,
-                   data.held_out, setup_phases)
+                   data.held_out, setup_phases, early)
 
 
 def plans_by_compiling(platform: str) -> bool:
@@ -417,15 +423,46 @@ def _train_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer, mesh: jax.shar
                            remat=spec.model.remat)
 
 
+def early_forward_refusal(spec: RunSpec, mesh: jax.sharding.Mesh) -> str | None:
+    """Why `placement.early_forward` cannot apply to this run (None: it can)."""
+    if spec_mode(spec).name != "co" or not spec_mode(spec).samples:
+        return "it applies to GRPO runs in mode 'co'"
+    if jax.process_count() > 1:
+        return "across processes the rows reach the train mesh through host memory, after the rewards"
+    rows = spec.rollout.prompts_per_step * spec.rollout.group_size
+    if not early_forward_applies(spec.algo, mesh, rows, spec.rollout.max_prompt_tokens + spec.rollout.max_new_tokens):
+        return "it needs algo.num_iterations 1 and the batch in one micro-batch (algo.micro_batch_size)"
+    return None
+
+
+def _early_forward_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer, mesh: jax.sharding.Mesh,
+                        platform: str) -> EarlyForwardStep | None:
+    """The run's `EarlyForwardStep` per `placement.early_forward`: `true` where it cannot apply is an error
+    naming why; `auto` uses it where it applies on platforms whose memory plan is compiled (and so counts
+    the forward's saved activations and weights), and never on CPU, whose analytic plan does not."""
+    setting = spec.placement.early_forward
+    if setting is False or (setting == "auto" and not plans_by_compiling(platform)):
+        return None
+    refusal = early_forward_refusal(spec, mesh)
+    if refusal is not None:
+        if setting is True:
+            raise ValueError(f"placement.early_forward: true, but {refusal}")
+        return None
+    return EarlyForwardStep(graphdef, optimizer, spec.algo, temperature=train_temperature(spec), mesh=mesh,
+                            remat=spec.model.remat)
+
+
 def _abstract(tree, shardings):
     return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree, shardings)
 
 
 def check_compiled_plan(spec: RunSpec, shapes: Policy, optimizer, mesh: jax.sharding.Mesh, train_step,
-                        local: Sequence[jax.Device], rollout_devices: Sequence[jax.Device] | None) -> MemoryPlan:
+                        local: Sequence[jax.Device], rollout_devices: Sequence[jax.Device] | None,
+                        early_forward: EarlyForwardStep | None = None) -> MemoryPlan:
     """Print the compiled plan (stderr) and raise `MemoryPlanError` when it does not fit; see `prepare_trainer`.
     The abstract inputs are the ones the run's calls will carry (shapes, dtypes, shardings), so the
-    programs compiled here are the ones the run uses."""
+    programs compiled here are the ones the run uses: with `early_forward`, its forward and update in
+    place of the one-program train step."""
     samples = spec_mode(spec).samples
     params = _abstract(shapes.params, state_shardings(shapes.params, mesh))
     lora = spec.model.lora is not None
@@ -473,7 +510,8 @@ def check_compiled_plan(spec: RunSpec, shapes: Policy, optimizer, mesh: jax.shar
     plan = compiled_plan(train_step=train_step, abstract_state=state, abstract_batch=batch, devices=local,
                          mesh=MeshShape(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]),
                          remat=spec.model.remat, dtype=spec.model.dtype, rollout=rollout,
-                         rollout_params=rollout_params, reference=reference, reference_params=reference_params)
+                         rollout_params=rollout_params, reference=reference, reference_params=reference_params,
+                         early_forward=early_forward)
     print(plan.summary(), file=sys.stderr, flush=True)
     if not plan.fits:
         raise MemoryPlanError(refusal(plan))

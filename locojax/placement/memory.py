@@ -294,6 +294,9 @@ def refusal(plan: MemoryPlan) -> str:
                      + ("" if plan.remat == "dots" else " or dots (keeps the weight matmuls' outputs)"))
     if plan.dtype == "float32":
         hints.append("model.dtype: bfloat16 (halves every parameter-sized term)")
+    if term == "train_saved_forward":
+        hints.append("placement.early_forward: false (the train step's forward and backward in one program, "
+                     "which XLA can schedule to hold less)")
     if plan.rollout.get("merged_weights") and sum(plan.rollout.values()) >= sum(plan.train.values()):
         hints.append(f"model.lora.rollout: adapters (no copy of the adapted weights while the rollout runs, "
                      f"{plan.rollout['merged_weights'] / GiB:.2f} GiB)")

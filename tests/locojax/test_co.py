@@ -42,7 +42,7 @@ def tiny_spec(tmp_path: Path, name: str, **overrides) -> dict:
         "output_dir": str(tmp_path / name),
     }
     for key, value in overrides.items():
-        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     return spec
 
 
@@ -122,6 +122,41 @@ def test_params_already_on_the_rollout_devices_are_handed_over_not_copied(four_c
     assert local["w"] is not sharded["w"] and local["w"].is_fully_replicated
     assert local["w"].sharding.is_equivalent_to(rollout_two, 2)
     np.testing.assert_array_equal(np.asarray(local["w"]), values)
+
+
+@pytest.mark.usefixtures("test_rewards_allowed")
+def test_a_run_with_the_early_forward_equals_one_with_the_one_program_step(tmp_path, monkeypatch):
+    """placement.early_forward moves the update's forward pass ahead of the rewards, nothing else: the
+    same losses, rewards and params after three steps (float32 rounding of two programs against one),
+    and the spec refuses it where it cannot apply, saying why."""
+    from locojax.modes.co import run_co
+    from locojax.train import EarlyForwardStep
+
+    forwards = []
+    real_forward = EarlyForwardStep.forward
+    monkeypatch.setattr(EarlyForwardStep, "forward", lambda self, *args: forwards.append(1) or real_forward(self, *args))
+    results = {}
+    for early in (True, False):
+        name = f"early-{early}".lower()
+        spec = RunSpec.model_validate(tiny_spec(tmp_path, name, algo={"kl_coef": 0.05},
+                                                placement={"early_forward": early}))
+        assert run_co(spec, console=False).status == "succeeded"
+        records = [r for r in m.read_jsonl(tmp_path / name / "metrics.jsonl") if r["host"] == m.ALL_HOSTS]
+        results[early] = records, checkpoint_params(tmp_path / name, 3)
+    assert len(forwards) == 3  # the early run's three steps; the other run's none
+    (early_records, early_params), (fused_records, fused_params) = results[True], results[False]
+    assert [r["step"] for r in early_records] == [r["step"] for r in fused_records] == [0, 1, 2]
+    for early_record, fused_record in zip(early_records, fused_records):
+        for key in (m.LOSS_POLICY, m.LOSS_KL, m.POLICY_GRAD_NORM, m.REWARD_MEAN):
+            assert early_record[key] == pytest.approx(fused_record[key], rel=1e-4, abs=1e-6), key
+    assert_trees_close(early_params, fused_params, atol=1e-5)
+    moved = checkpoint_params(tmp_path / "early-true", 3)
+    initial = nnx.split(create_model(get_preset("tiny")))[1]
+    assert not all(np.allclose(np.asarray(a), np.asarray(b)) for a, b in
+                   zip(jax.tree.leaves(moved), jax.tree.leaves(initial)))
+    with pytest.raises(ValueError, match=r"placement.early_forward: true, but it needs algo.num_iterations 1"):
+        run_co(RunSpec.model_validate(tiny_spec(tmp_path, "two-iterations", algo={"num_iterations": 2},
+                                                placement={"early_forward": True})), console=False)
 
 
 # Run as process 0 and 1 of a 2-process job with 2 CPU devices each: the mesh is data 2 (one row per

@@ -114,21 +114,27 @@ def _compile_names(caplog) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_the_compiled_plan_compiles_the_programs_the_run_then_calls(tmp_path, monkeypatch, caplog, capfd, lora):
+@pytest.mark.parametrize("lora,placement", [(False, {}), (True, {}), (False, {"early_forward": False})],
+                         ids=["full", "lora", "one-program"])
+def test_the_compiled_plan_compiles_the_programs_the_run_then_calls(tmp_path, monkeypatch, caplog, capfd, lora,
+                                                                     placement):
     """On accelerators the plan comes from XLA's memory analysis of the run's own train step, rollout and
     KL reference pass, compiled from abstract shapes before any parameter exists; the run's steps then
     compile none of them again. Run here on CPU by asking for the compiled plan on this platform. With
-    LoRA the plan counts the frozen weights once, and the reference as its zeroed adapters alone."""
+    LoRA the plan counts the frozen weights once, and the reference as its zeroed adapters alone. The
+    train step is the early forward's two programs (placement.early_forward: auto, on a compiled plan's
+    platform), or one where that is off."""
     from locojax.modes.co import COSession, run_co
 
     monkeypatch.setattr(common, "plans_by_compiling", lambda platform: True)
     model = {"preset": "tiny", **({"lora": {"rank": 4, "alpha": 8.0}} if lora else {})}
+    early = placement.get("early_forward", "auto") == "auto"
+    # Shapes of its own for the one-program run, so its rollout is not one an earlier case compiled.
     spec = parse_spec({"name": "compiled", "model": model, "task": {"name": "arith"},
                        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_prompt_tokens": 32,
-                                   "max_new_tokens": 8},
+                                   "max_new_tokens": 8 if early else 6},
                        "algo": {"kl_coef": 0.05}, "steps": 3, "checkpoint": {"every": 0},
-                       "output_dir": str(tmp_path / "run")})
+                       "placement": placement, "output_dir": str(tmp_path / "run")})
     set_up_at = []
     real_init = COSession.__init__
 
@@ -150,7 +156,8 @@ def test_the_compiled_plan_compiles_the_programs_the_run_then_calls(tmp_path, mo
     assert sum(first[name] for name in m.SETUP_PARTS) <= first[m.TIME_SETUP]
     names = _compile_names(caplog)
     during_setup, during_steps = names[:set_up_at[0]], names[set_up_at[0]:]
-    for program in ("jit(train_step)", "jit(_generate)", "jit(<lambda>)"):  # <lambda>: the reference pass
+    train = ("jit(forward)", "jit(update)") if early else ("jit(train_step)",)
+    for program in (*train, "jit(_generate)", "jit(<lambda>)"):  # <lambda>: the reference pass
         assert program in during_setup and program not in during_steps, (during_setup, during_steps)
     plan_lines = [line for line in caplog.text.splitlines() if "memory plan per device" in line]
     assert not plan_lines  # printed to stderr, not logged
@@ -225,8 +232,10 @@ def test_the_compiled_plan_refuses_before_any_parameter_exists_naming_the_term(t
     with pytest.raises(MemoryPlanError) as refused:
         common.prepare_trainer(spec, jax.devices()[:1], tmp_path, False)
     message = str(refused.value)
-    assert "compiled" in message and "largest term is train_temporaries" in message
-    assert "model.remat: full" in message
+    # On a compiled plan's platform the train step runs as an early forward (placement.early_forward auto),
+    # whose saved activations are the largest term.
+    assert "compiled" in message and "largest term is train_saved_forward" in message
+    assert "model.remat: full" in message and "placement.early_forward: false" in message
     assert loaded == []
     assert "memory plan per device" in capsys.readouterr().err
 

@@ -16,11 +16,11 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from locojax import metrics as m
-from locojax.model import create_model, forward, get_preset
+from locojax.model import LoRAConfig, create_model, forward, get_preset
 from locojax.spec import AlgoSpec, OptimSpec
 from locojax.train import (
-    Optimizer, init_train_state, lr_schedule, make_logprobs_fn, make_optimizer, make_sft_step, make_train_step,
-    decays, split_params,
+    EarlyForwardStep, Optimizer, early_forward_applies, init_train_state, lr_schedule, make_logprobs_fn,
+    make_optimizer, make_sft_step, make_train_step, decays, split_params,
 )
 
 B, P, N = 8, 6, 5  # sequences, prompt slots, completion slots
@@ -197,6 +197,55 @@ def test_num_iterations_two_equals_two_updates_on_the_same_batch():
     for name in (m.LOSS_POLICY, m.POLICY_CLIP_FRAC, m.POLICY_GRAD_NORM):
         assert float(double[name]) == pytest.approx((float(first[name]) + float(second[name])) / 2, rel=1e-4), name
     assert float(first[m.LOSS_POLICY]) != pytest.approx(float(second[m.LOSS_POLICY]), rel=1e-3)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_early_forward_step_equals_the_fused_step(lora):
+    """Forward first (no advantages), then the update from what it saved: the same params, optimizer
+    state and metrics as the one-program step, the saved forward's weights not kept twice, and the
+    state donated."""
+    graphdef, params = tiny_model()
+    optimizer = make_optimizer(OptimSpec(lr=1e-2, warmup_steps=0), total_steps=4)
+    if lora:
+        model = create_model(get_preset("tiny").replace(lora=LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "up"))),
+                             seed=0)
+        graphdef, params = split_params(model)
+
+    def fresh_state():
+        return init_train_state(jax.tree.map(lambda x: jax.device_put(np.asarray(x)), params), optimizer, lora=lora)
+
+    fused = make_train_step(graphdef, optimizer, ALGO, temperature=TEMPERATURE, compiler_options=FAST_COMPILE)
+    early = EarlyForwardStep(graphdef, optimizer, ALGO, temperature=TEMPERATURE, mesh=None, remat="none",
+                             compiler_options=FAST_COMPILE)
+    expected_state, expected = fused(fresh_state(), batch())
+    state, rows = fresh_state(), batch()
+    without_advantages = {k: v for k, v in rows.items() if k != "advantages"}
+    saved = early.forward(state, without_advantages)  # dispatched before the advantages exist
+    tree, slots = saved.layout
+    assert any(slot >= 0 for slot in slots) or not lora  # LoRA's frozen weights are read, not copied
+    assert len(saved.residuals) == sum(slot < 0 for slot in slots)
+    new_state, metrics = early.update(state, rows, saved)
+    assert jax.tree.leaves(state.params)[0].is_deleted()
+    assert int(new_state.step) == 1
+    assert_trees_close(new_state.params, expected_state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(new_state.opt_state, expected_state.opt_state, rtol=1e-4, atol=1e-7)
+    assert set(metrics) == set(expected)
+    for name in expected:
+        assert float(metrics[name]) == pytest.approx(float(expected[name]), rel=1e-5, abs=1e-7), name
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(fresh_state().params),
+                                                       jax.tree.leaves(new_state.params))]
+    # LoRA's A matrices get no gradient while B is still zero: its B matrices move at step 0.
+    assert all(moved) if not lora else sum(moved) == len(moved) // 2
+
+
+def test_the_early_forward_step_applies_to_one_update_in_one_micro_batch():
+    rows, seq_len = 16, 32
+    assert early_forward_applies(ALGO.model_copy(update={"micro_batch_size": 16}), None, rows, seq_len)
+    assert not early_forward_applies(ALGO.model_copy(update={"micro_batch_size": 8}), None, rows, seq_len)
+    two = ALGO.model_copy(update={"num_iterations": 2, "micro_batch_size": 16})
+    assert not early_forward_applies(two, None, rows, seq_len)
+    with pytest.raises(ValueError, match="num_iterations is 2"):
+        EarlyForwardStep(tiny_model()[0], sgd(0.5, 2), two, temperature=1.0, mesh=None, remat="none")
 
 
 def test_step_rejects_bad_configuration():
