@@ -123,6 +123,7 @@ class Workload:
     lora_rank: int = 0  # > 0: LoRA on every linear layer (ours: model.lora; Tunix: qwix), alpha = lora_alpha
     lora_alpha: float = 0.0
     scan_layers: str = "auto"  # ours only: model.scan_layers ("auto", "true", "false")
+    early_forward: str = "auto"  # ours only: placement.early_forward ("auto", "true", "false")
     # Ours only: algo.micro_batch_size (rows per gradient micro-batch, the same update as the whole batch;
     # None: the engine's default). The peer trains its whole batch at once.
     micro_batch_size: int | None = None
@@ -181,8 +182,14 @@ def _scan_layers(work: Workload) -> str | bool:
     return {"true": True, "false": False}.get(work.scan_layers, work.scan_layers)
 
 
+def _early_forward(work: Workload) -> str | bool:
+    return {"true": True, "false": False}.get(work.early_forward, work.early_forward)
+
+
 def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs: dict | None = None):
-    from locojax.spec import AlgoSpec, CheckpointSpec, ModelSpec, OptimSpec, RolloutSpec, RunSpec, TaskSpec
+    from locojax.spec import (
+        AlgoSpec, CheckpointSpec, ModelSpec, OptimSpec, PlacementSpec, RolloutSpec, RunSpec, TaskSpec,
+    )
 
     if work.scale_inputs:
         scale = _scale_bench()
@@ -195,6 +202,7 @@ def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs:
             spec["model"]["lora"] = {"rank": work.lora_rank, "alpha": work.lora_alpha, "targets": LORA_TARGETS,
                                      "rollout": work.lora_rollout}
         spec["model"]["scan_layers"] = _scan_layers(work)
+        spec.setdefault("placement", {})["early_forward"] = _early_forward(work)
         return RunSpec.model_validate(spec)
     return RunSpec(
         name=f"bench-grpo-step-{work.size}", seed=SEED,
@@ -207,6 +215,7 @@ def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs:
                       micro_batch_size=work.micro_batch_size),
         optim=OptimSpec(lr=LR, warmup_steps=0, decay="constant", grad_clip=GRAD_CLIP, weight_decay=0.0),
         steps=steps,
+        placement=PlacementSpec(early_forward=_early_forward(work)),
         checkpoint=CheckpointSpec(every=0),
         output_dir=output_dir,
     )
@@ -487,7 +496,7 @@ def workload_from_args(args) -> Workload:
     if args.model_preset:
         work = dataclasses.replace(work, preset=args.model_preset)
     return dataclasses.replace(work, scan_layers=args.scan_layers, micro_batch_size=args.micro_batch_size,
-                               lora_rollout=args.lora_rollout)
+                               lora_rollout=args.lora_rollout, early_forward=args.early_forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,7 +618,8 @@ class Orchestrator:
                 command += ["--work", str(args.work)]
             if args.model_preset:
                 command += ["--model-preset", args.model_preset]
-            command += ["--scan-layers", args.scan_layers, "--lora-rollout", args.lora_rollout]
+            command += ["--scan-layers", args.scan_layers, "--lora-rollout", args.lora_rollout,
+                        "--early-forward", args.early_forward]
             if args.micro_batch_size:
                 command += ["--micro-batch-size", str(args.micro_batch_size)]
             if profile and args.profile_steps:
@@ -826,6 +836,7 @@ def workload_record(work: Workload, args) -> dict:
               "prompts": work.prompts, "group_size": work.group, "rows": work.rows, "new_tokens": work.new_tokens,
               "prompt_slots": work.prompt_slots, "early_stop": False, "temperature": 1.0, "kl_coef": work.kl_coef,
               "remat": work.remat, "num_iterations": NUM_ITERATIONS, "scan_layers": work.scan_layers,
+              "early_forward": work.early_forward,
               "micro_batch_size": work.micro_batch_size}
     if work.lora_rank:
         record.update(lora={"rank": work.lora_rank, "alpha": work.lora_alpha, "targets": LORA_TARGETS,
@@ -845,6 +856,8 @@ def workload_record(work: Workload, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="a")
+    parser.add_argument("--early-forward", choices=("auto", "true", "false"), default="auto",
+                        help="our side's placement.early_forward (default auto: the engine's choice for the platform)")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="our side's model.scan_layers (default auto: the engine's choice for the platform)")
     parser.add_argument("--micro-batch-size", type=int, default=None,

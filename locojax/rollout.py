@@ -400,12 +400,14 @@ def make_generate_fn(config: ModelConfig, graphdef: nnx.GraphDef, sampling: Samp
     jitted = jax.jit(body, in_shardings=(replicated, batch_sharding, batch_sharding, replicated, replicated),
                      out_shardings=batch_sharding)
 
-    def generate(params, prompt_tokens, prompt_mask, key, row_offset: int = 0) -> RolloutResult:
-        """`row_offset`: the global index of this call's first row (its host's offset in the step)."""
+    def generate(params, prompt_tokens, prompt_mask, key, row_offset: int | jax.Array = 0) -> RolloutResult:
+        """`row_offset`: the global index of this call's first row (its host's offset in the step); an int32
+        scalar already on the rollout mesh saves the call a transfer (`RolloutRunner.prepare`)."""
         # This host's rows onto its rollout mesh first: in a multi-process job jit refuses numpy inputs
         # with a non-replicated sharding (it cannot tell they are this process's own rows).
         prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), batch_sharding)
-        return jitted(params, prompt_tokens, prompt_mask, key, np.int32(row_offset))
+        return jitted(params, prompt_tokens, prompt_mask, key,
+                      row_offset if isinstance(row_offset, jax.Array) else np.int32(row_offset))
 
     # For compiling ahead of time from abstract arguments (locojax.compiled_plan): the program the calls run.
     generate.jitted, generate.batch_sharding, generate.segments = jitted, batch_sharding, segments

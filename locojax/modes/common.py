@@ -124,7 +124,9 @@ class PreparedRollout:
     device_prompt_tokens: jax.Array
     device_prompt_mask: jax.Array
     key: jax.Array
-    row_offset: int
+    # The rows' global offset, an int32 already on the rollout mesh: put there with the prompts, not by the
+    # rollout's dispatch (a TPU trace at size a: 0.4-1.4 ms of that dispatch, with the chip idle).
+    row_offset: jax.Array
 
 
 @jax.jit
@@ -184,7 +186,8 @@ class RolloutRunner:
         exist: the host can do this while the device still works on the step before."""
         tokens, mask = encode_prompts([e.prompt for e in examples], self.policy.tokenizer, self.prompt_len)
         device_tokens, device_mask = jax.device_put((tokens, mask), self.batch_sharding)
-        return PreparedRollout(list(examples), tokens, mask, device_tokens, device_mask, key, row_offset)
+        device_row_offset = jax.device_put(np.int32(row_offset), self.replicated)
+        return PreparedRollout(list(examples), tokens, mask, device_tokens, device_mask, key, device_row_offset)
 
     def launch(self, params_local: nnx.State, prepared: PreparedRollout) -> DispatchedRollout:
         """Dispatch a prepared rollout from `params_local` (returns at once; the device samples)."""
@@ -498,7 +501,9 @@ def check_compiled_plan(spec: RunSpec, shapes: Policy, optimizer, mesh: jax.shar
         prompts = jax.ShapeDtypeStruct((host_rows, prompt_len), jnp.int32, sharding=generate.batch_sharding)
         prompt_mask = jax.ShapeDtypeStruct((host_rows, prompt_len), jnp.bool_, sharding=generate.batch_sharding)
         key = jax.eval_shape(lambda: rollout_key(spec.seed, 0))
-        rollout = (generate.jitted, (local_params, prompts, prompt_mask, key, jax.ShapeDtypeStruct((), jnp.int32)))
+        # The row offset as `RolloutRunner.prepare` places it: on the rollout mesh, replicated.
+        row_offset = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        rollout = (generate.jitted, (local_params, prompts, prompt_mask, key, row_offset))
         rollout_params = local_params if spec.placement.fsdp * spec.placement.tensor > 1 else None
         if spec.algo.kl_coef > 0:
             sequences = jax.ShapeDtypeStruct((host_rows, prompt_len + new_len), jnp.int32,
