@@ -123,7 +123,7 @@ class Workload:
     lora_rank: int = 0  # > 0: LoRA on every linear layer (ours: model.lora; Tunix: qwix), alpha = lora_alpha
     lora_alpha: float = 0.0
     scan_layers: str = "auto"  # ours only: model.scan_layers ("auto", "true", "false")
-    early_forward: str = "auto"  # ours only: placement.early_forward ("auto", "true", "false")
+    early_forward: str = "false"  # ours only: placement.early_forward ("true", "false")
     # Ours only: algo.micro_batch_size (rows per gradient micro-batch, the same update as the whole batch;
     # None: the engine's default). The peer trains its whole batch at once.
     micro_batch_size: int | None = None
@@ -182,8 +182,8 @@ def _scan_layers(work: Workload) -> str | bool:
     return {"true": True, "false": False}.get(work.scan_layers, work.scan_layers)
 
 
-def _early_forward(work: Workload) -> str | bool:
-    return {"true": True, "false": False}.get(work.early_forward, work.early_forward)
+def _early_forward(work: Workload) -> bool:
+    return work.early_forward == "true"
 
 
 def make_spec(work: Workload, steps: int, output_dir: str | None = None, inputs: dict | None = None):
@@ -856,8 +856,8 @@ def workload_record(work: Workload, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="a")
-    parser.add_argument("--early-forward", choices=("auto", "true", "false"), default="auto",
-                        help="our side's placement.early_forward (default auto: the engine's choice for the platform)")
+    parser.add_argument("--early-forward", choices=("true", "false"), default="false",
+                        help="our side's placement.early_forward (default false, the engine's default)")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="our side's model.scan_layers (default auto: the engine's choice for the platform)")
     parser.add_argument("--micro-batch-size", type=int, default=None,

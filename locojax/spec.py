@@ -168,12 +168,13 @@ class PlacementSpec(_Strict):
                       "are sharded over (FSDP); the batch is split over data x fsdp")
     tensor: int = Field(1, ge=1, le=64, description="devices per host each layer's heads, MLP and vocabulary "
                         "are split over (tensor parallelism)")
-    early_forward: Literal["auto"] | bool = Field("auto", description=(
+    early_forward: bool = Field(False, description=(
         "CO: the update's forward pass goes to the chip right after the rollout and runs while the host "
         "scores the rewards; the update then only pulls the loss's gradient back through what it saved (two "
-        "programs instead of one, the same numbers). Applies with one process, algo.num_iterations 1 and "
-        "the batch in one micro-batch; auto: where it applies, on accelerators (whose compiled memory "
-        "plan counts what the forward saves)"))
+        "programs instead of one, the same numbers). Pays where rewards take longer than the forward pass; "
+        "with fast rewards the split costs more device time than it hides (TPU v5e, small preset: 30.9 vs "
+        "31.2 ms a step). Needs one process, algo.num_iterations 1 and the batch in one micro-batch. An "
+        "accelerator's compiled memory plan counts what the forward saves; the CPU's analytic plan does not"))
 
     @model_validator(mode="after")
     def _mesh_fits_host(self) -> "PlacementSpec":

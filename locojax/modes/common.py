@@ -377,12 +377,12 @@ def prepare_trainer(spec: RunSpec, devices: Sequence[jax.Device], checkpoint_dir
         model_started = time.perf_counter()
         policy = load_policy(spec, mesh)
         train_step = _train_step(spec, policy.graphdef, optimizer, mesh, samples)
-        early = _early_forward_step(spec, policy.graphdef, optimizer, mesh, local[0].platform)
+        early = _early_forward_step(spec, policy.graphdef, optimizer, mesh)
     else:
         compile_started = time.perf_counter()
         shapes = abstract_policy(spec)
         train_step = _train_step(spec, shapes.graphdef, optimizer, mesh, samples)
-        early = _early_forward_step(spec, shapes.graphdef, optimizer, mesh, local[0].platform)
+        early = _early_forward_step(spec, shapes.graphdef, optimizer, mesh)
         check_compiled_plan(spec, shapes, optimizer, mesh, train_step, local, rollout_devices, early)
         model_started = time.perf_counter()
         compile_s = model_started - compile_started
@@ -438,19 +438,15 @@ def early_forward_refusal(spec: RunSpec, mesh: jax.sharding.Mesh) -> str | None:
     return None
 
 
-def _early_forward_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer, mesh: jax.sharding.Mesh,
-                        platform: str) -> EarlyForwardStep | None:
-    """The run's `EarlyForwardStep` per `placement.early_forward`: `true` where it cannot apply is an error
-    naming why; `auto` uses it where it applies on platforms whose memory plan is compiled (and so counts
-    the forward's saved activations and weights), and never on CPU, whose analytic plan does not."""
-    setting = spec.placement.early_forward
-    if setting is False or (setting == "auto" and not plans_by_compiling(platform)):
+def _early_forward_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer,
+                        mesh: jax.sharding.Mesh) -> EarlyForwardStep | None:
+    """The run's `EarlyForwardStep` when `placement.early_forward` asks for one; where it cannot apply, an
+    error naming why."""
+    if not spec.placement.early_forward:
         return None
     refusal = early_forward_refusal(spec, mesh)
     if refusal is not None:
-        if setting is True:
-            raise ValueError(f"placement.early_forward: true, but {refusal}")
-        return None
+        raise ValueError(f"placement.early_forward: true, but {refusal}")
     return EarlyForwardStep(graphdef, optimizer, spec.algo, temperature=train_temperature(spec), mesh=mesh,
                             remat=spec.model.remat)
 

@@ -114,25 +114,24 @@ def _compile_names(caplog) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora,placement", [(False, {}), (True, {}), (False, {"early_forward": False})],
-                         ids=["full", "lora", "one-program"])
+@pytest.mark.parametrize("lora,placement", [(False, {}), (True, {}), (False, {"early_forward": True})],
+                         ids=["full", "lora", "early-forward"])
 def test_the_compiled_plan_compiles_the_programs_the_run_then_calls(tmp_path, monkeypatch, caplog, capfd, lora,
                                                                      placement):
     """On accelerators the plan comes from XLA's memory analysis of the run's own train step, rollout and
     KL reference pass, compiled from abstract shapes before any parameter exists; the run's steps then
     compile none of them again. Run here on CPU by asking for the compiled plan on this platform. With
     LoRA the plan counts the frozen weights once, and the reference as its zeroed adapters alone. The
-    train step is the early forward's two programs (placement.early_forward: auto, on a compiled plan's
-    platform), or one where that is off."""
+    train step is one program, or with placement.early_forward the early forward's two."""
     from locojax.modes.co import COSession, run_co
 
     monkeypatch.setattr(common, "plans_by_compiling", lambda platform: True)
     model = {"preset": "tiny", **({"lora": {"rank": 4, "alpha": 8.0}} if lora else {})}
-    early = placement.get("early_forward", "auto") == "auto"
-    # Shapes of its own for the one-program run, so its rollout is not one an earlier case compiled.
+    early = placement.get("early_forward", False)
+    # Shapes of its own for the early-forward run, so its rollout is not one an earlier case compiled.
     spec = parse_spec({"name": "compiled", "model": model, "task": {"name": "arith"},
                        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_prompt_tokens": 32,
-                                   "max_new_tokens": 8 if early else 6},
+                                   "max_new_tokens": 6 if early else 8},
                        "algo": {"kl_coef": 0.05}, "steps": 3, "checkpoint": {"every": 0},
                        "placement": placement, "output_dir": str(tmp_path / "run")})
     set_up_at = []
@@ -219,7 +218,8 @@ def test_lora_train_step_temporaries_match_the_plan_on_cpu(lora=True):
 
 
 @pytest.mark.slow
-def test_the_compiled_plan_refuses_before_any_parameter_exists_naming_the_term(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("early", [False, True], ids=["one-program", "early-forward"])
+def test_the_compiled_plan_refuses_before_any_parameter_exists_naming_the_term(tmp_path, monkeypatch, capsys, early):
     loaded = []
     monkeypatch.setattr(common, "plans_by_compiling", lambda platform: True)
     monkeypatch.setattr(common, "load_policy", lambda spec: loaded.append(spec))
@@ -228,14 +228,15 @@ def test_the_compiled_plan_refuses_before_any_parameter_exists_naming_the_term(t
     spec = parse_spec({"name": "too-many-rows", "model": {"preset": "tiny"}, "task": {"name": "arith"},
                        "rollout": {"prompts_per_step": 1024, "group_size": 8, "max_prompt_tokens": 512,
                                    "max_new_tokens": 512},
-                       "algo": {"micro_batch_size": 8192}})
+                       "algo": {"micro_batch_size": 8192}, "placement": {"early_forward": early}})
     with pytest.raises(MemoryPlanError) as refused:
         common.prepare_trainer(spec, jax.devices()[:1], tmp_path, False)
     message = str(refused.value)
-    # On a compiled plan's platform the train step runs as an early forward (placement.early_forward auto),
-    # whose saved activations are the largest term.
-    assert "compiled" in message and "largest term is train_saved_forward" in message
-    assert "model.remat: full" in message and "placement.early_forward: false" in message
+    # With the early forward, what the forward saves for the update (the activations) is the largest term.
+    term = "train_saved_forward" if early else "train_temporaries"
+    assert "compiled" in message and f"largest term is {term}" in message
+    assert "model.remat: full" in message
+    assert ("placement.early_forward: false" in message) == early
     assert loaded == []
     assert "memory plan per device" in capsys.readouterr().err
 
