@@ -347,14 +347,6 @@ def _accumulate(loss_fn, params: nnx.State, frozen, micro: Mapping[str, jax.Arra
     return grads, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
 
 
-def packs_gradients(mesh: Mesh | None, rows_per_micro: int) -> bool:
-    """Whether `packed_data_parallel_grads` reduces the gradients itself (one packed psum under
-    `shard_map`): on a mesh whose only non-trivial axis is `data`, splitting every micro-batch evenly."""
-    data = mesh.shape.get("data", 1) if mesh is not None else 1
-    return data > 1 and rows_per_micro % data == 0 and not any(
-        size > 1 for axis, size in mesh.shape.items() if axis != "data")
-
-
 def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_per_micro: int):
     """`grads_fn(params, frozen, micro) -> (grads, metrics)` summed over the whole (sharded) batch.
 
@@ -367,7 +359,9 @@ def packed_data_parallel_grads(loss_fn, mesh: Mesh | None, num_micro: int, rows_
     def plain(params, frozen, micro):
         return _accumulate(loss_fn, params, frozen, micro, num_micro)
 
-    if not packs_gradients(mesh, rows_per_micro):
+    data = mesh.shape.get("data", 1) if mesh is not None else 1
+    if data <= 1 or rows_per_micro % data or any(
+            size > 1 for axis, size in mesh.shape.items() if axis != "data"):
         return plain
 
     def local(params, frozen, micro):
@@ -539,8 +533,8 @@ class EarlyForwardStep:
     while the host still scores the rewards: `forward(state, batch)` needs no advantages and returns a
     `SavedForward`; `update(state, batch, saved)` (the state donated) takes the loss's gradient
     with respect to the log-probs, pulls it back through the saved forward and applies AdamW. Same loss,
-    gradients and metrics as `make_train_step`'s step, which `fused` is (compiled plans and fallbacks).
-    Each of `forward` and `update` has `.lower(...)` with the same arguments (compiled plans)."""
+    gradients and metrics as `make_train_step`'s step. `lower_forward` and `lower_update` lower them from
+    the same (abstract) arguments, for compiled plans."""
 
     def __init__(self, graphdef: nnx.GraphDef, optimizer: Optimizer, algo: AlgoSpec, *, temperature: float,
                  mesh: Mesh | None, remat: str, compiler_options: CompilerOptions = None):
@@ -549,8 +543,6 @@ class EarlyForwardStep:
                              f"{algo.num_iterations}")
         required, loss_of_logprobs, loss_inputs = _grpo_objective(graphdef, optimizer, algo, temperature)
         self.forward_keys = tuple(k for k in required if k in ("tokens", "prompt_mask", "completion_mask"))
-        self.fused = make_train_step(graphdef, optimizer, algo, temperature=temperature, mesh=mesh, remat=remat,
-                                     compiler_options=compiler_options)
 
         def check_one_pass(batch):
             if not early_forward_applies(algo, mesh, batch["tokens"].shape[0], batch["tokens"].shape[1]):

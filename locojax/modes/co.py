@@ -13,8 +13,8 @@ there (only the tokens travel to the host, for scoring, and the advantages back)
 reference pass runs on the chip while the host scores, and so does the update's forward pass
 (placement.early_forward: the update then only pulls the loss's gradient back); and right after the
 update is dispatched, the next step's rollout is queued behind it, so the chip decodes while the host
-logs this step and starts the next. The next step's `time/rollout` therefore counts only the part of its rollout that was not
-yet done when that step began.
+logs this step and starts the next. The next step's `time/rollout` therefore counts only the part of
+its rollout that was not yet done when that step began.
 With an eval block, steps it names start with a held-out evaluation (locojax.evaluate), outside the
 step's timers: each host evaluates its shard, and the counts travel in the step's metrics gather;
 one more evaluation follows the last step, recorded at step = steps.

@@ -134,7 +134,8 @@ def test_a_run_with_the_early_forward_equals_one_with_the_one_program_step(tmp_p
 
     forwards = []
     real_forward = EarlyForwardStep.forward
-    monkeypatch.setattr(EarlyForwardStep, "forward", lambda self, *args: forwards.append(1) or real_forward(self, *args))
+    monkeypatch.setattr(EarlyForwardStep, "forward",
+                        lambda self, *args: forwards.append(1) or real_forward(self, *args))
     results = {}
     for early in (True, False):
         name = f"early-{early}".lower()
