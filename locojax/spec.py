@@ -194,8 +194,8 @@ class PlacementSpec(_Strict):
             raise ValueError(error)
         if self.rollout_fraction is not None and not mode.rollout_groups:
             raise ValueError("placement.rollout_fraction only applies to mode 'da'")
-        if self.early_forward and self.mode != "co":
-            raise ValueError("placement.early_forward only applies to mode 'co'")
+        if self.early_forward and not mode.early_forward:
+            raise ValueError(f"placement.early_forward does not apply to mode '{self.mode}'")
         return self
 
     @property

@@ -110,6 +110,8 @@ class ModeDef:
     # Samples groups of completions to train on (GRPO); False: trains on the task's reference answers
     # (SFT: one row per prompt, no rollout, no KL reference). The memory plan and the trainer ask it.
     samples: bool = True
+    # Its session can run the update's forward pass while the host scores (placement.early_forward).
+    early_forward: bool = False
 
     def session_class(self):
         module_name, name = self.session.split(":")
@@ -267,7 +269,7 @@ def _check_sft(spec: "RunSpec") -> str | None:
 MODES.register("co")(ModeDef(
     "co", "colocated: every host samples, scores and trains its own prompts; one SPMD train step",
     "locojax.modes.co:COSession", _one_process_on_every_host, _one_host, command=_co_command, cost_entry="co",
-    multi_process=True, evaluates=True))
+    multi_process=True, evaluates=True, early_forward=True))
 MODES.register("sc")(ModeDef(
     "sc", "single controller: one process dispatches every host's work and gathers every rollout",
     "locojax.modes.sc:SCSession", _controller_and_a_worker_per_host, _no_devices, command=_sc_command,

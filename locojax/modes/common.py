@@ -428,8 +428,9 @@ def _train_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer, mesh: jax.shar
 
 def early_forward_refusal(spec: RunSpec, mesh: jax.sharding.Mesh) -> str | None:
     """Why `placement.early_forward` cannot apply to this run (None: it can)."""
-    if spec_mode(spec).name != "co" or not spec_mode(spec).samples:
-        return "it applies to GRPO runs in mode 'co'"
+    mode = spec_mode(spec)
+    if not (mode.early_forward and mode.samples):
+        return f"mode '{mode.name}' does not run it"
     if jax.process_count() > 1:
         return "across processes the rows reach the train mesh through host memory, after the rewards"
     rows = spec.rollout.prompts_per_step * spec.rollout.group_size

@@ -158,6 +158,10 @@ def test_a_run_with_the_early_forward_equals_one_with_the_one_program_step(tmp_p
     with pytest.raises(ValueError, match=r"placement.early_forward: true, but it needs algo.num_iterations 1"):
         run_co(RunSpec.model_validate(tiny_spec(tmp_path, "two-iterations", algo={"num_iterations": 2},
                                                 placement={"early_forward": True})), console=False)
+    from locojax.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError, match="placement.early_forward does not apply to mode 'sc'"):
+        parse_spec({"placement": {"mode": "sc", "hosts": 2, "early_forward": True}})
 
 
 # Run as process 0 and 1 of a 2-process job with 2 CPU devices each: the mesh is data 2 (one row per
