@@ -179,18 +179,45 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, opt_state, param
                                  transform_non_params=lambda _: replicated)
 
 
+class _StateKeepingJit:
+    """`jax.jit(fn, donate_argnums=0)` for `fn(state, *rest) -> (new_state, *outputs)`, whose new state is
+    laid out as the state it was given (`out_shardings`, fixed by the first call or `.lower`): left to
+    itself, XLA may shard an output its input had replicated (LoRA's A matrices under FSDP came back
+    sharded over `fsdp`), so the next step met a state of another layout and compiled again, and so did
+    every program reading the params."""
+
+    def __init__(self, fn: Callable, compiler_options: CompilerOptions, outputs: int = 1):
+        self.fn, self.compiler_options, self.outputs = fn, compiler_options, outputs
+        self.jitted = None
+
+    def _for(self, state):
+        if self.jitted is None:
+            # Placed leaves keep their sharding; an uncommitted one (a fresh step counter on the default
+            # device) is left to XLA (None), as jit moves such inputs wherever the program needs them.
+            layout = jax.tree.map(lambda x: x.sharding if getattr(x, "committed", True) else None, state)
+            self.jitted = jax.jit(self.fn, donate_argnums=0, compiler_options=self.compiler_options,
+                                  out_shardings=(layout, *[None] * self.outputs))
+        return self.jitted
+
+    def __call__(self, state, *rest):
+        return self._for(state)(state, *rest)
+
+    def lower(self, state, *rest):
+        return self._for(state).lower(state, *rest)
+
+
 def _donating_step(step_fn, compiler_options: CompilerOptions) -> StepFn:
     """`step_fn(state, frozen, batch)` jitted with the trained part of the state donated, as
-    `step(state, batch)`. The frozen weights go in beside it, not donated: the rollout and the KL
-    reference read the same buffers between steps. `.lower(state, batch)` lowers it (compiled plans)."""
-    jitted = jax.jit(step_fn, donate_argnums=0, compiler_options=compiler_options)
+    `step(state, batch)`, the new state laid out as the old (`_StateKeepingJit`). The frozen weights go in
+    beside it, not donated: the rollout and the KL reference read the same buffers between steps.
+    `.lower(state, batch)` lowers it (compiled plans)."""
+    jitted = _StateKeepingJit(step_fn, compiler_options)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         new_state, metrics = jitted(state.replace(frozen=None), state.frozen, batch)
         return new_state.replace(frozen=state.frozen), metrics
 
     step.lower = lambda state, batch: jitted.lower(state.replace(frozen=None), state.frozen, batch)
-    step.jitted = jitted
     return step
 
 
@@ -579,7 +606,7 @@ class EarlyForwardStep:
         self._forward = jax.jit(forward, compiler_options=compiler_options)
         # The saved forward is not donated: no output of the update has a residual's shape, so XLA could
         # reuse none of them; the caller lets go of it once the update is dispatched.
-        self._update = jax.jit(update, donate_argnums=0, compiler_options=compiler_options)
+        self._update = _StateKeepingJit(update, compiler_options)
 
     def _forward_args(self, state: TrainState, batch: Batch):
         return state.params, state.frozen, {k: batch[k] for k in self.forward_keys}

@@ -114,21 +114,25 @@ def _compile_names(caplog) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora,placement", [(False, {}), (True, {}), (False, {"early_forward": True})],
-                         ids=["full", "lora", "early-forward"])
+@pytest.mark.parametrize("lora,placement", [
+    (False, {}), (True, {}), (False, {"early_forward": True}),
+    (True, {"devices_per_host": 4, "fsdp": 4}), (False, {"devices_per_host": 4, "fsdp": 4, "early_forward": True}),
+], ids=["full", "lora", "early-forward", "lora-fsdp", "early-forward-fsdp"])
 def test_the_compiled_plan_compiles_the_programs_the_run_then_calls(tmp_path, monkeypatch, caplog, capfd, lora,
                                                                      placement):
     """On accelerators the plan comes from XLA's memory analysis of the run's own train step, rollout and
     KL reference pass, compiled from abstract shapes before any parameter exists; the run's steps then
     compile none of them again. Run here on CPU by asking for the compiled plan on this platform. With
     LoRA the plan counts the frozen weights once, and the reference as its zeroed adapters alone. The
-    train step is one program, or with placement.early_forward the early forward's two."""
+    train step is one program, or with placement.early_forward the early forward's two. Under FSDP the
+    train step's new state keeps the old one's layout: XLA had sharded LoRA's A matrices it was given
+    replicated, and step 1 compiled everything again."""
     from locojax.modes.co import COSession, run_co
 
     monkeypatch.setattr(common, "plans_by_compiling", lambda platform: True)
     model = {"preset": "tiny", **({"lora": {"rank": 4, "alpha": 8.0}} if lora else {})}
     early = placement.get("early_forward", False)
-    # Shapes of its own for the early-forward run, so its rollout is not one an earlier case compiled.
+    # Shapes of their own for the early-forward runs, so their rollout is not one an earlier case compiled.
     spec = parse_spec({"name": "compiled", "model": model, "task": {"name": "arith"},
                        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_prompt_tokens": 32,
                                    "max_new_tokens": 6 if early else 8},
