@@ -4,7 +4,6 @@ neither may depend on the modes): its config, graph, params and tokenizer."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 
 import jax
@@ -122,15 +121,7 @@ def already_local(params: nnx.State, sharding: NamedSharding) -> bool:
     already placed as `sharding` places it."""
     leaves = jax.tree.leaves(params)
     return bool(leaves) and all(getattr(x, "sharding", None) is not None
-                                and _equivalent(x.sharding, sharding, len(x.shape)) for x in leaves)
-
-
-@functools.lru_cache(maxsize=256)
-def _equivalent(placed, target, ndim: int) -> bool:
-    """`placed.is_equivalent_to(target, ndim)`, remembered: a CO step asks it of every leaf, about the same
-    few shardings each time, right before the next rollout's dispatch (0.4 ms a step at the small preset
-    on the CPU, uncached). Shardings are immutable and hashable."""
-    return placed.is_equivalent_to(target, ndim)
+                                and x.sharding.is_equivalent_to(sharding, len(x.shape)) for x in leaves)
 
 
 def host_copy(x: jax.Array):

@@ -186,8 +186,8 @@ class _StateKeepingJit:
     sharded over `fsdp`), so the next step met a state of another layout and compiled again, and so did
     every program reading the params."""
 
-    def __init__(self, fn: Callable, compiler_options: CompilerOptions, outputs: int = 1):
-        self.fn, self.compiler_options, self.outputs = fn, compiler_options, outputs
+    def __init__(self, fn: Callable, compiler_options: CompilerOptions):
+        self.fn, self.compiler_options = fn, compiler_options
         self.jitted = None
 
     def _for(self, state):
@@ -196,7 +196,7 @@ class _StateKeepingJit:
             # device) is left to XLA (None), as jit moves such inputs wherever the program needs them.
             layout = jax.tree.map(lambda x: x.sharding if getattr(x, "committed", True) else None, state)
             self.jitted = jax.jit(self.fn, donate_argnums=0, compiler_options=self.compiler_options,
-                                  out_shardings=(layout, *[None] * self.outputs))
+                                  out_shardings=(layout, None))
         return self.jitted
 
     def __call__(self, state, *rest):
@@ -207,17 +207,17 @@ class _StateKeepingJit:
 
 
 def _donating_step(step_fn, compiler_options: CompilerOptions) -> StepFn:
-    """`step_fn(state, frozen, batch)` jitted with the trained part of the state donated, as
-    `step(state, batch)`, the new state laid out as the old (`_StateKeepingJit`). The frozen weights go in
-    beside it, not donated: the rollout and the KL reference read the same buffers between steps.
-    `.lower(state, batch)` lowers it (compiled plans)."""
+    """`step_fn(state, frozen, batch, *rest)` jitted with the trained part of the state donated, as
+    `step(state, batch, *rest)`, the new state laid out as the old (`_StateKeepingJit`). The frozen weights
+    go in beside it, not donated: the rollout and the KL reference read the same buffers between steps.
+    `.lower(state, batch, *rest)` lowers it (compiled plans)."""
     jitted = _StateKeepingJit(step_fn, compiler_options)
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        new_state, metrics = jitted(state.replace(frozen=None), state.frozen, batch)
+    def step(state: TrainState, batch: Batch, *rest) -> tuple[TrainState, Metrics]:
+        new_state, metrics = jitted(state.replace(frozen=None), state.frozen, batch, *rest)
         return new_state.replace(frozen=state.frozen), metrics
 
-    step.lower = lambda state, batch: jitted.lower(state.replace(frozen=None), state.frozen, batch)
+    step.lower = lambda state, batch, *rest: jitted.lower(state.replace(frozen=None), state.frozen, batch, *rest)
     return step
 
 
@@ -606,7 +606,8 @@ class EarlyForwardStep:
         self._forward = jax.jit(forward, compiler_options=compiler_options)
         # The saved forward is not donated: no output of the update has a residual's shape, so XLA could
         # reuse none of them; the caller lets go of it once the update is dispatched.
-        self._update = _StateKeepingJit(update, compiler_options)
+        self.update = _donating_step(update, compiler_options)
+        self.lower_update = self.update.lower
 
     def _forward_args(self, state: TrainState, batch: Batch):
         return state.params, state.frozen, {k: batch[k] for k in self.forward_keys}
@@ -618,13 +619,6 @@ class EarlyForwardStep:
     def lower_forward(self, state: TrainState, batch: Batch):
         return self._forward.lower(*self._forward_args(state, batch))
 
-    def update(self, state: TrainState, batch: Batch, saved: SavedForward) -> tuple[TrainState, Metrics]:
-        """The update from `saved`, the state's trained part donated (hold no other reference to it)."""
-        new_state, metrics = self._update(state.replace(frozen=None), state.frozen, batch, saved)
-        return new_state.replace(frozen=state.frozen), metrics
-
-    def lower_update(self, state: TrainState, batch: Batch, saved: SavedForward):
-        return self._update.lower(state.replace(frozen=None), state.frozen, batch, saved)
 
 
 # ------------------------------------------------------------------------------------------------

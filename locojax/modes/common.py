@@ -316,7 +316,7 @@ class Trainer:
     def rows_move_on_devices(self) -> bool:
         """Whether rows on this host's devices reach the train mesh device to device (one process), not
         through host memory (`global_batch_from_device`)."""
-        return jax.process_count() == 1
+        return rows_move_on_devices()
 
     def global_batch_from_device(self, local_rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """`global_batch` of rows already on this host's devices. With one process they move device to
@@ -426,12 +426,17 @@ def _train_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer, mesh: jax.shar
                            remat=spec.model.remat)
 
 
-def early_forward_refusal(spec: RunSpec, mesh: jax.sharding.Mesh) -> str | None:
+def rows_move_on_devices() -> bool:
+    """`Trainer.rows_move_on_devices`, before a Trainer exists: with one process."""
+    return jax.process_count() == 1
+
+
+def _early_forward_refusal(spec: RunSpec, mesh: jax.sharding.Mesh) -> str | None:
     """Why `placement.early_forward` cannot apply to this run (None: it can)."""
     mode = spec_mode(spec)
     if not (mode.early_forward and mode.samples):
         return f"mode '{mode.name}' does not run it"
-    if jax.process_count() > 1:
+    if not rows_move_on_devices():
         return "across processes the rows reach the train mesh through host memory, after the rewards"
     rows = spec.rollout.prompts_per_step * spec.rollout.group_size
     if not early_forward_applies(spec.algo, mesh, rows, spec.rollout.max_prompt_tokens + spec.rollout.max_new_tokens):
@@ -445,7 +450,7 @@ def _early_forward_step(spec: RunSpec, graphdef: nnx.GraphDef, optimizer,
     error naming why."""
     if not spec.placement.early_forward:
         return None
-    refusal = early_forward_refusal(spec, mesh)
+    refusal = _early_forward_refusal(spec, mesh)
     if refusal is not None:
         raise ValueError(f"placement.early_forward: true, but {refusal}")
     return EarlyForwardStep(graphdef, optimizer, spec.algo, temperature=train_temperature(spec), mesh=mesh,
