@@ -44,7 +44,20 @@ class ByteTokenizer:
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
-        return [self.decode(row) for row in rows]
+        """`decode` of each row, in one pass over all rows' ids: a row at a time cost ~7 us a row in numpy
+        calls, 0.45 ms of a 64-row CO step's critical path on a TPU host (bench/grpo_step.py size a)."""
+        if not len(rows):
+            return []
+        rows = [row if isinstance(row, np.ndarray) else np.asarray(row, np.int64) for row in rows]
+        ids = np.concatenate([row.reshape(-1) for row in rows]).astype(np.int64)
+        ends = np.cumsum([row.size for row in rows])
+        keep = (ids >= 0) & (ids < 256)
+        # Kept bytes before each position, so row r's text is the kept bytes between its start and end.
+        kept_before = np.concatenate([[0], np.cumsum(keep)])
+        text = ids[keep].astype(np.uint8).tobytes()
+        starts = kept_before[np.concatenate([[0], ends[:-1]])].tolist()
+        stops = kept_before[ends].tolist()
+        return [text[start:stop].decode("utf-8", errors="replace") for start, stop in zip(starts, stops)]
 
 
 # Special tokens looked up in a tokenizer.json when the caller names none (Qwen3, Llama-3, generic).

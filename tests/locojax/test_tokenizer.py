@@ -17,6 +17,19 @@ def test_byte_tokenizer_round_trips_unicode_and_drops_specials():
     assert tok.decode(np.array([0xE2, 0x80], np.int32)) == "\ufffd"  # a cut multi-byte character
 
 
+def test_byte_decode_batch_is_each_rows_decode_and_keeps_rows_apart():
+    tok = ByteTokenizer()
+    euro = list("€".encode())  # three bytes: a row boundary must not join or split one character
+    rows = [np.array(euro[:2], np.int32), np.array(euro[2:] + [65], np.int32),  # one char cut over two rows
+            np.array([euro[0], tok.eos_id, euro[1], tok.pad_id, euro[2]], np.int32),  # specials dropped first
+            np.array([], np.int32), [66, 300, -1, 67], np.array([[68, 69]], np.int32)]
+    assert tok.decode_batch(rows) == [tok.decode(row) for row in rows] == ["\ufffd", "\ufffdA", "€", "", "BC", "DE"]
+    random_rows = np.random.default_rng(0).integers(-2, 300, (16, 24)).astype(np.int32)
+    cut = [row[:length] for row, length in zip(random_rows, range(0, 24, 3))]
+    assert tok.decode_batch(cut) == [tok.decode(row) for row in cut]
+    assert tok.decode_batch([]) == []
+
+
 def test_pad_left_truncates_from_the_left():
     tokens, mask = pad_left([[1, 2, 3], [4], [5, 6, 7, 8, 9]], 4, pad_id=0)
     assert tokens.tolist() == [[0, 1, 2, 3], [0, 0, 0, 4], [6, 7, 8, 9]]
