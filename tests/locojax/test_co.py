@@ -150,7 +150,9 @@ def test_a_run_with_the_early_forward_equals_one_with_the_one_program_step(tmp_p
     for early_record, fused_record in zip(early_records, fused_records):
         for key in (m.LOSS_POLICY, m.LOSS_KL, m.POLICY_GRAD_NORM, m.REWARD_MEAN):
             assert early_record[key] == pytest.approx(fused_record[key], rel=1e-4, abs=1e-6), key
-    assert_trees_close(early_params, fused_params, atol=1e-5)
+    # Within 1% of one AdamW step (lr 3e-3): Adam divides each element's gradient by its own scale, so an
+    # element whose gradient is ~0 moves by a rounding-dependent part of lr (1.6e-5 seen, run alone).
+    assert_trees_close(early_params, fused_params, atol=0.01 * spec.optim.lr)
     moved = checkpoint_params(tmp_path / "early-true", 3)
     initial = nnx.split(create_model(get_preset("tiny")))[1]
     assert not all(np.allclose(np.asarray(a), np.asarray(b)) for a, b in
