@@ -50,7 +50,8 @@ completion tokens equal to the pad id, also ones sampled by chance; ours does no
 `device_idle_fraction` (with `--profile-steps N`, the default on a TPU): our side's last run trains N
 more steps after the timed ones under jax.profiler (bench/profile_trace.py): the share of those
 steps' wall time with no op running on the device, and the top ops by time per phase. The timed
-periods are the same steps as in every other run; the profiler starts and stops outside them.
+periods are the same steps as in every other run; the profiler starts in the last timed step,
+whose period is dropped (bench/profile_trace.py's lead-in step), and stops after the traced ones.
 `--host-profile-steps N` (default 3 on a TPU) then runs N more under cProfile: the Python calls the
 run loop's thread spends a steady step in (`host_profile`), i.e. what the host does while the device
 trace shows the device waiting. `--keep-trace FILE` keeps the profiled steps' raw trace (*.xplane.pb,

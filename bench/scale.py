@@ -1127,10 +1127,10 @@ def profile_run(paths, args, work: Path) -> dict:
 
     out = work / "profile-run"
     spec = RunSpec.model_validate(make_spec(paths, args, "scale-profile", out)).model_copy(
-        update={"steps": args.profile_steps + 2})  # step 0 compiles; the last one saves the checkpoint
+        update={"steps": args.profile_steps + 3})  # step 0 compiles, 1 leads in; the last one saves the checkpoint
     trace = work / "profile-trace"
     shutil.rmtree(trace, ignore_errors=True)
-    code = PROFILE_CHILD.format(root=str(ROOT), spec=spec.model_dump_json(), trace=str(trace), first=1,
+    code = PROFILE_CHILD.format(root=str(ROOT), spec=spec.model_dump_json(), trace=str(trace), first=2,
                                 steps=args.profile_steps)
     cache_env = {}
     if args.compilation_cache != "off":

@@ -11,9 +11,9 @@ import pytest
 
 
 def test_trace_reader_finds_the_ops_the_host_phases_and_the_idle_time_it_waited_on_the_host(tmp_path):
-    """A real trace of 3 of 5 steps (the sink the benchmarks use), each a jitted matmul in a rollout
-    phase then 30 ms of host sleep with nothing dispatched: the idle time covers at least the sleeps,
-    the busy time is the op time, and the matmul's module tops the rollout phase's ops."""
+    """A real trace of 3 of 6 steps, after a lead-in one (the sink the benchmarks use), each a jitted
+    matmul in a rollout phase then 30 ms of host sleep with nothing dispatched: the idle time covers at
+    least the sleeps, the busy time is the op time, and the matmul's module tops the rollout phase's ops."""
     import jax
     import jax.numpy as jnp
 
@@ -25,9 +25,9 @@ def test_trace_reader_finds_the_ops_the_host_phases_and_the_idle_time_it_waited_
         return jnp.tanh(x @ x) @ x
 
     x = jnp.ones((384, 384), jnp.float32) / 384
-    timer, sleep_s, sink = m.PhaseTimer(), 0.03, ProfiledSteps(str(tmp_path), first_step=1, steps=3)
+    timer, sleep_s, sink = m.PhaseTimer(), 0.03, ProfiledSteps(str(tmp_path), first_step=2, steps=3)
     with annotated_phases():
-        for step in range(5):
+        for step in range(6):
             with timer.step():
                 with timer.phase(m.TIME_ROLLOUT):
                     bench_matmul_step(x).block_until_ready()
