@@ -114,7 +114,8 @@ class COSession(TrainerSession):
             self._prepare_next(step + 1)  # the host's part of the next rollout, while the device samples
             with timer.device() as span, jax.profiler.TraceAnnotation("wait:rollout tokens"):
                 # One transfer of what the host needs: the texts to score and the metrics.
-                tokens, lengths, mask = span.ready(rollout.host_tokens())
+                tokens, lengths, mask = span.ready(jax.device_get(
+                    (rollout.result.tokens, rollout.result.lengths, rollout.result.mask)))
             with jax.profiler.TraceAnnotation("host:texts"):
                 completions = self.runner.texts(tokens, lengths)
         rollout_s = timer.last_phase(m.TIME_ROLLOUT)

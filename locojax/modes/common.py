@@ -112,12 +112,6 @@ class DispatchedRollout:
     device_prompt_tokens: jax.Array  # the same on the rollout mesh
     device_prompt_mask: jax.Array
     result: RolloutResult  # device arrays [b, N]
-    # What the host reads of the result, in one array (`host_view`): its copy to the host is already asked for.
-    host_view: jax.Array | None = None
-
-    def host_tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The completion tokens [b, N], lengths [b] and mask [b, N] on the host (waits for the rollout)."""
-        return from_host_view(np.asarray(self.host_view))
 
 
 @dataclasses.dataclass
@@ -141,21 +135,6 @@ def rollout_rows(prompt_tokens: jax.Array, prompt_mask: jax.Array, result: Rollo
     (advantages come later, from the host): no round trip of tokens and log-probs through host memory."""
     return {"tokens": jnp.concatenate([prompt_tokens, result.tokens], axis=1), "prompt_mask": prompt_mask,
             "completion_mask": result.mask, "old_logprobs": result.logprobs}
-
-
-@jax.jit
-def host_view(result: RolloutResult) -> jax.Array:
-    """The part of a rollout the host reads (tokens to decode and score, lengths for the mask), as one int32
-    [b, N + 1] array: one transfer instead of three, each of which a TPU host dispatches on its own once
-    the rollout ends (~0.1 ms apart in a trace at size a, on the step's critical path)."""
-    return jnp.concatenate([result.tokens, result.lengths[:, None].astype(result.tokens.dtype)], axis=1)
-
-
-def from_host_view(view: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`host_view`'s tokens [b, N], lengths [b] and completion mask [b, N] (the rollout's own mask: the
-    first `length` columns)."""
-    tokens, lengths = view[:, :-1], view[:, -1]
-    return tokens, lengths, np.arange(tokens.shape[1])[None, :] < lengths[:, None]
 
 
 REWARD_THREADS = 4  # reward functions run on the host CPU, in this many threads per scoring process
@@ -214,12 +193,12 @@ class RolloutRunner:
         """Dispatch a prepared rollout from `params_local` (returns at once; the device samples)."""
         result = self.generate(params_local, prepared.device_prompt_tokens, prepared.device_prompt_mask,
                                prepared.key, prepared.row_offset)
-        # The host reads this next (texts, rewards, metrics): its copy starts as soon as the device has it,
-        # not when the host asks.
-        view = host_view(result)
-        view.copy_to_host_async()
+        # The host reads these three next (texts, rewards, metrics): their copies start as soon as the
+        # device has them, not when the host asks.
+        for host_bound in (result.tokens, result.lengths, result.mask):
+            host_bound.copy_to_host_async()
         return DispatchedRollout(prepared.examples, prepared.prompt_tokens, prepared.prompt_mask,
-                                 prepared.device_prompt_tokens, prepared.device_prompt_mask, result, view)
+                                 prepared.device_prompt_tokens, prepared.device_prompt_mask, result)
 
     def completions(self, result: RolloutResult) -> list[str]:
         return decode_completions(result, self.policy.tokenizer)
