@@ -2,13 +2,12 @@
 
 The CO step's critical path on a TPU host starts when the rollout program ends: the host needs the
 sampled tokens (to decode and score them) before it can dispatch the update. A trace at size a
-(bench/results/size_a_timeline_tpu.json's successor) showed ~1.9-2.5 ms from the rollout's end to
-the tokens in Python. This probe times, on one chip, a stand-in for the rollout (a while loop of
+showed ~1.5-2.5 ms from the rollout's end to the tokens in Python. This probe times, on one chip, a stand-in for the rollout (a while loop of
 `--loop-ms` of work whose outputs are int32 [rows, new] tokens, [rows] lengths and a bool mask) and
 the host's wait for those results, for each way of bringing them back:
 
 * `three_async`: three device outputs, `copy_to_host_async()` on each right after the dispatch (the
-  engine before this probe);
+  engine's way: `RolloutRunner.launch`);
 * `packed_async`: one int32 [rows, new + 1] output (tokens and lengths side by side), the mask rebuilt
   on the host from the lengths;
 * `packed_pinned`: the same single output placed by the program itself in pinned host memory
