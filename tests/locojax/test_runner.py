@@ -4,6 +4,7 @@ parameter checksum the modes report only when a spec asks for it."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from locojax import metrics as m
-from locojax.contract import CHECKSUM_KEY, METRICS_FILE, RESULT_FILE, read_host_status
+from locojax.contract import CHECKSUM_KEY, METRICS_FILE, RESULT_FILE, HostStatus, read_host_status
 from locojax.modes.common import params_checksum
 from locojax.runner import ModeSession, StepOutput, checksum_due, run
 from locojax.spec import parse_spec
@@ -81,6 +82,48 @@ def test_the_loop_logs_each_step_evaluates_and_finishes(tmp_path):
         assert row[m.THROUGHPUT_TRAIN_TOKENS] == (10 / row[m.TIME_TRAIN] if row[m.TIME_TRAIN] else 0.0)
     assert json.loads((out / RESULT_FILE).read_text())["status"] == "succeeded"
     assert read_host_status(out, 0)["phase"] == "metrics"
+
+
+def _watch_status(out, until, timeout_s=10.0):
+    """Every phase the status file showed, polled until `until(status)` holds (or the timeout)."""
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = read_host_status(out, 0)
+        if status and (not seen or seen[-1] != (status["step"], status["phase"])):
+            seen.append((status["step"], status["phase"]))
+        if status and until(status):
+            break
+        time.sleep(0.002)
+    return seen
+
+
+def test_the_host_status_writes_the_phases_that_last_and_skips_the_fleeting_ones(tmp_path):
+    """A phase that stands `settle_s` is written while the host is still in it; one replaced sooner is
+    never written; phases that change faster than `settle_s` for longer than `max_delay_s` are still
+    written; `close` writes the newest at once."""
+    where = HostStatus(tmp_path, 0, settle_s=0.3, max_delay_s=60.0)
+    try:
+        where(1, "reward")
+        where(1, "train")  # replaced at once: never on disk
+        assert _watch_status(tmp_path, lambda s: s["phase"] == "train") == [(1, "train")]
+        where(2, "rollout")
+        assert _watch_status(tmp_path, lambda s: s["step"] == 2)[-1] == (2, "rollout")
+    finally:
+        where.close()
+    churning = HostStatus(tmp_path / "churn", 0, settle_s=60.0, max_delay_s=0.2)
+    try:
+        started = time.monotonic()
+        step = 0
+        while read_host_status(tmp_path / "churn", 0) is None and time.monotonic() - started < 10:
+            step += 1
+            churning(step, "rollout")
+            time.sleep(0.001)
+        assert read_host_status(tmp_path / "churn", 0) is not None  # written although it never settled
+        churning(step + 1, "metrics")
+    finally:
+        churning.close()
+    assert read_host_status(tmp_path / "churn", 0) == {"host": 0, "step": step + 1, "phase": "metrics",
+                                                       "pid": read_host_status(tmp_path / "churn", 0)["pid"]}
 
 
 def test_a_cancel_stops_after_that_step_with_a_checkpoint(tmp_path):
