@@ -3,8 +3,10 @@ parameter checksum the modes report only when a spec asks for it."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -82,6 +84,48 @@ def test_the_loop_logs_each_step_evaluates_and_finishes(tmp_path):
         assert row[m.THROUGHPUT_TRAIN_TOKENS] == (10 / row[m.TIME_TRAIN] if row[m.TIME_TRAIN] else 0.0)
     assert json.loads((out / RESULT_FILE).read_text())["status"] == "succeeded"
     assert read_host_status(out, 0)["phase"] == "metrics"
+
+
+class CyclesSession(CountingSession):
+    """Each step leaves a reference cycle behind (garbage only the cyclic collector frees) and notes
+    whether automatic collection was on during it and whether the previous step's cycle was gone."""
+
+    def __init__(self, spec, **options):
+        super().__init__(spec, **options)
+        self.collecting_during_step: list[bool] = []
+        self.previous_cycle_freed: list[bool] = []
+        self.last_cycle = None
+
+    def step(self, step, timer, where):
+        self.collecting_during_step.append(gc.isenabled())
+        if self.last_cycle is not None:
+            self.previous_cycle_freed.append(self.last_cycle() is None)
+        cycle = type("Node", (), {})()
+        cycle.self = cycle
+        self.last_cycle = weakref.ref(cycle)
+        del cycle
+        return super().step(step, timer, where)
+
+
+def test_cyclic_garbage_is_collected_between_steps_not_during_them(tmp_path):
+    """The loop runs Python's cyclic collector after each step and nowhere inside one, freezes what
+    the first step leaves (never traversed again), and leaves the collector as it found it."""
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    spec = parse_spec({"name": "cycles", "steps": 4, "output_dir": str(tmp_path / "out")})
+    sessions = []
+    result = run(spec, lambda spec, *, resume: sessions.append(CyclesSession(spec)) or sessions[0], console=False)
+    assert result.status == "succeeded"
+    session = sessions[0]
+    assert session.collecting_during_step == [False] * 4
+    assert session.previous_cycle_freed == [True] * 3  # each step's cycle was gone when the next began
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:  # a loop that starts with collection off leaves it off
+        assert run(parse_spec({"name": "off", "steps": 2, "output_dir": str(tmp_path / "off")}),
+                   lambda spec, *, resume: CountingSession(spec), console=False).status == "succeeded"
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
 
 
 def _watch_status(out, until, timeout_s=10.0):
