@@ -44,8 +44,9 @@ class ByteTokenizer:
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
-        """`decode` of each row, in one pass over all rows' ids: a row at a time cost ~7 us a row in numpy
-        calls, 0.45 ms of a 64-row CO step's critical path on a TPU host (bench/grpo_step.py size a)."""
+        """`decode` of each row, in one pass over all rows' ids: 0.09 ms for bench size a's 64 rows on a
+        TPU host against 0.31 ms a row at a time, on the CO step's critical path (the chip waits for the
+        rewards these texts get)."""
         if not len(rows):
             return []
         rows = [row if isinstance(row, np.ndarray) else np.asarray(row, np.int64) for row in rows]

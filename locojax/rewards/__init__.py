@@ -193,8 +193,9 @@ def score(
     if pool is None or len(jobs) == 1:
         results = [_score_chunk(name, completions[start:stop], examples[start:stop]) for name, start, stop in jobs]
     else:
-        # The calling thread scores the first chunk itself while the pool takes the rest: handing every
-        # chunk over and waiting cost a TPU host's CO step ~0.5 ms on its critical path at 64 samples.
+        # The calling thread scores the first chunk itself while the pool takes the rest: every hand-over
+        # costs (64 gsm8k samples on a TPU host: 0.11 ms through the pool, 0.03 ms inline), and the
+        # scores are on the CO step's critical path, the chip waiting for the advantages.
         futures = [pool.submit(_score_chunk, name, list(completions[start:stop]), list(examples[start:stop]))
                    for name, start, stop in jobs[1:]]
         name, start, stop = jobs[0]
