@@ -227,7 +227,9 @@ def test_the_early_forward_step_equals_the_fused_step(lora):
     new_state, metrics = early.update(state, rows, saved)
     assert jax.tree.leaves(state.params)[0].is_deleted()
     assert int(new_state.step) == 1
-    assert_trees_close(new_state.params, expected_state.params, rtol=1e-5, atol=1e-6)
+    # Within 0.1% of the step's lr (1e-2): AdamW divides each element's gradient by its own scale, so an
+    # element whose gradient is ~0 moves by a rounding-dependent part of lr (2.7e-6 seen under load).
+    assert_trees_close(new_state.params, expected_state.params, rtol=1e-5, atol=1e-3 * 1e-2)
     assert_trees_close(new_state.opt_state, expected_state.opt_state, rtol=1e-4, atol=1e-7)
     assert set(metrics) == set(expected)
     for name in expected:
