@@ -190,17 +190,15 @@ def score(
     chunks = [(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
     jobs = [(name, start, stop) for name in reward_names for start, stop in chunks]
 
-    if pool is None or len(jobs) == 1:
-        results = [_score_chunk(name, completions[start:stop], examples[start:stop]) for name, start, stop in jobs]
-    else:
-        # The calling thread scores the first chunk itself while the pool takes the rest: every hand-over
-        # costs (64 gsm8k samples on a TPU host: 0.11 ms through the pool, 0.03 ms inline), and the
-        # scores are on the CO step's critical path, the chip waiting for the advantages.
-        futures = [pool.submit(_score_chunk, name, list(completions[start:stop]), list(examples[start:stop]))
-                   for name, start, stop in jobs[1:]]
-        name, start, stop = jobs[0]
-        results = [_score_chunk(name, completions[start:stop], examples[start:stop])]
-        results += [future.result() for future in futures]
+    # The calling thread scores the first chunk (every chunk without a pool) while the pool takes the rest:
+    # every hand-over costs (64 gsm8k samples on a TPU host: 0.11 ms through the pool, 0.03 ms inline),
+    # and the scores are on the CO step's critical path, the chip waiting for the advantages.
+    handed = jobs[1:] if pool is not None else []
+    futures = [pool.submit(_score_chunk, name, list(completions[start:stop]), list(examples[start:stop]))
+               for name, start, stop in handed]
+    results = [_score_chunk(name, completions[start:stop], examples[start:stop])
+               for name, start, stop in jobs[:len(jobs) - len(handed)]]
+    results += [future.result() for future in futures]
 
     per_fn = {name: np.zeros(n, np.float32) for name in reward_names}
     failures = {name: [0, ""] for name in reward_names}

@@ -243,6 +243,8 @@ def test_score_with_a_thread_pool_matches_inline():
     inline_total, inline = score(["gsm8k", "gsm8k_flexible"], completions, examples)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         pooled_total, pooled = score(["gsm8k", "gsm8k_flexible"], completions, examples, pool)
+        empty_total, empty = score(["gsm8k"], [], [], pool)  # no samples: nothing to hand over, nothing scored
+    assert empty_total.shape == (0,) and empty["gsm8k"].shape == (0,)
     np.testing.assert_array_equal(inline_total, pooled_total)
     for name in inline:
         np.testing.assert_array_equal(inline[name], pooled[name])
