@@ -47,7 +47,7 @@ from locojax.contract import (
 from locojax.environment import describe as describe_environment
 from locojax.modes import spec_mode
 from locojax.spec import RunSpec, dump_spec
-from locojax.tensorboard import TensorBoardSink
+from locojax.tensorboard import TensorBoardSink, preload as preload_tensorboard
 
 
 def output_dir(spec: RunSpec) -> Path:
@@ -176,6 +176,7 @@ def run(spec: RunSpec, setup: Setup, *, resume: bool = False, console: bool = Tr
         cancel_file: str | Path | None = None, extra_sinks: Sequence[m.MetricSink] = (),
         **options: Any) -> RunResult:
     """Run (or resume) `spec` with the mode session `setup(spec, resume=..., **options)` returns."""
+    preload_tensorboard()  # imported while the session compiles, not by the sink's thread during steps
     setup_started = time.perf_counter()
     session = setup(spec, resume=resume, **options)
     setup_s = time.perf_counter() - setup_started

@@ -7,6 +7,12 @@ the record to a thread of its own: building a record's protocol buffers costs ~0
 the run loop must not pay. The thread writes with TensorBoard's own event-file writer, which flushes
 every `flush_s` seconds and at `close`; a run killed in between loses at most that much of its event
 files (metrics.jsonl, flushed per step, keeps everything).
+
+TensorBoard's modules are imported by the thread that makes the sink, never by the sink's own thread
+while steps run: importing them (with boto3, which TensorBoard's file layer loads where it is
+installed) took the sink's thread seconds on a TPU VM, holding the GIL in bursts that kept the run
+loop from its tokens for up to 5 ms at a time, the chip idle behind it. `preload` starts that import
+in the background earlier, while the run compiles, so the sink itself then finds it done.
 """
 
 from __future__ import annotations
@@ -23,6 +29,35 @@ from locojax.contract import ALL_HOSTS, Host
 _STOP = object()
 
 
+def _writer_modules() -> tuple[Any, Any, Any]:
+    """TensorBoard's event, summary and event-file writer classes (ImportError without the package),
+    with the file layer they write through loaded too."""
+    from tensorboard.compat import tf
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    # `tf` is a lazy module: its first use (the writer's first file) imports TensorFlow where installed,
+    # else TensorBoard's stub of it, whose file layer imports boto3 where that is installed. Use it here.
+    tf.io.gfile.exists(".")
+    return Event, Summary, EventFileWriter
+
+
+def preload() -> threading.Thread:
+    """Import TensorBoard's writer modules in a background thread (started here) and return it: for a
+    caller about to compile for a while, so that a `TensorBoardSink` made after finds them imported.
+    Without the package, the sink says so when it is made."""
+    def load() -> None:
+        try:
+            _writer_modules()
+        except ImportError:
+            pass
+
+    thread = threading.Thread(target=load, name="tensorboard-preload", daemon=True)
+    thread.start()
+    return thread
+
+
 def host_directory(host: Host) -> str:
     """The event-file directory of one host's records: `host<i>`, or `all` for the aggregate."""
     return ALL_HOSTS if host == ALL_HOSTS else f"host{int(host)}"
@@ -36,6 +71,11 @@ class TensorBoardSink:
         self.flush_s = flush_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
+        try:
+            self._modules: tuple[Any, Any, Any] | None = _writer_modules()
+        except ImportError as exc:  # a machine without the package: the run goes on, its records are dropped
+            warnings.warn(f"no TensorBoard event files under {self.root}: {exc}", stacklevel=2)
+            self._modules = None
         self._thread = threading.Thread(target=self._loop, name="tensorboard-sink", daemon=True)
         self._thread.start()
 
@@ -50,16 +90,11 @@ class TensorBoardSink:
         self._thread.join()
 
     def _loop(self) -> None:
-        try:
-            from tensorboard.compat.proto.event_pb2 import Event
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError as exc:  # a machine without the package: the run goes on, its records are dropped
-            warnings.warn(f"no TensorBoard event files under {self.root}: {exc}", stacklevel=1)
+        if self._modules is None:
             while self._queue.get() is not _STOP:
                 pass
             return
-
+        Event, Summary, EventFileWriter = self._modules
         writers: dict[str, EventFileWriter] = {}
         failed = False
         while (item := self._queue.get()) is not _STOP:

@@ -3,8 +3,12 @@ environment.json (what it ran on and what it trained)."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +69,35 @@ def test_writing_a_record_costs_the_step_almost_nothing(tmp_path):
     assert read_scalars(tmp_path / "tb" / "host0")["metric/59"][199] == 29.5
     # Building the same event in the caller's thread takes ~0.1 ms here; enqueueing a few microseconds.
     assert per_record < 50e-6, f"{per_record * 1e6:.1f} us per record on the caller's thread"
+
+
+SINK_IMPORTS = """
+import json, sys, threading
+from locojax.tensorboard import TensorBoardSink
+imports = []
+sys.addaudithook(lambda event, args: imports.append((threading.current_thread().name, args[0]))
+                 if event == "import" else None)
+sink = TensorBoardSink(sys.argv[1])
+made = len(imports)
+for step in range(3):
+    sink.write(step, 0, {"loss": 1.0 / (step + 1)})
+sink.close()
+print(json.dumps({"on_other_threads": [name for thread, name in imports if thread != "MainThread"],
+                  "when_made": [name for _, name in imports[:made]]}))
+"""
+
+
+def test_the_sinks_thread_imports_nothing_while_steps_run(tmp_path):
+    """Everything the sink writes with is imported by the thread that makes it: an import on the sink's
+    thread (TensorBoard with boto3 took seconds on a TPU VM) runs during the first steps and holds the
+    GIL in bursts the run loop waits behind. A fresh interpreter, so nothing is imported already."""
+    done = subprocess.run([sys.executable, "-c", SINK_IMPORTS, str(tmp_path / "tb")], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    imports = json.loads(done.stdout.strip().splitlines()[-1])
+    assert imports["on_other_threads"] == []
+    assert "tensorboard.summary.writer.event_file_writer" in imports["when_made"]
+    assert read_scalars(tmp_path / "tb" / "host0")["loss"][2] == pytest.approx(1 / 3)
 
 
 def test_a_run_writes_event_files_and_its_environment(tmp_path):
