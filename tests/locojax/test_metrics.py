@@ -193,6 +193,26 @@ def test_console_sink_shows_step_reward_and_step_time():
     assert "3/10" in text and "0.250" in text and "0.500s" in text and "0.900" not in text
 
 
+def test_console_sink_draws_on_the_loggers_thread_and_starts_none():
+    """rich's refresh thread would draw ten times a second whatever the run loop is doing: the bar is
+    drawn when a step is logged instead, at most every `redraw_s`."""
+    import threading
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    before = set(threading.enumerate())
+    sink = m.ConsoleSink(10, console=Console(file=out, force_terminal=True, width=160), redraw_s=3600.0)
+    assert set(threading.enumerate()) == before
+    drawn = len(out.getvalue())
+    sink.write(0, "all", {"reward/mean": 0.125})
+    assert len(out.getvalue()) == drawn  # within redraw_s of the last draw: not drawn again
+    sink.redraw_s = 0.0
+    sink.write(1, "all", {"reward/mean": 0.375})
+    assert "2/10" in out.getvalue()[drawn:] and "0.375" in out.getvalue()[drawn:]
+    sink.close()
+
+
 class _ReportingDevice:
     """A device whose runtime reports allocator statistics, as accelerators' do (XLA:CPU's report none)."""
 
