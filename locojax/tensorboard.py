@@ -9,10 +9,11 @@ every `flush_s` seconds and at `close`; a run killed in between loses at most th
 files (metrics.jsonl, flushed per step, keeps everything).
 
 TensorBoard's modules are imported by the thread that makes the sink, never by the sink's own thread
-while steps run: importing them (with boto3, which TensorBoard's file layer loads where it is
-installed) took the sink's thread seconds on a TPU VM, holding the GIL in bursts that kept the run
-loop from its tokens for up to 5 ms at a time, the chip idle behind it. `preload` starts that import
-in the background earlier, while the run compiles, so the sink itself then finds it done.
+while steps run: on a TPU VM that import (with boto3, which TensorBoard's file layer loads where it is
+installed) was still running on the sink's thread in the steady steps, in GIL bursts that kept the run
+loop from its tokens for up to ~5 ms at a time, the chip idle behind it (bench/results/
+size_a_host_path_tpu.json). `preload` starts that import in the background earlier, while the run
+compiles, so the sink itself then finds it done.
 """
 
 from __future__ import annotations
