@@ -35,6 +35,30 @@ import time
 import numpy as np
 
 
+def stand_in_rollout(rows: int, new: int, loop_steps: int, width: int, vocabulary: int = 1000):
+    """A rollout's stand-in, (weights [width, width], seed) -> int32 [rows, new] tokens, [rows] lengths,
+    bool [rows, new] mask: a while loop of `loop_steps` matmuls (their count sets its device time)."""
+    import jax
+    import jax.numpy as jnp
+
+    def rollout_body(weights, seed):
+        def step(carry):
+            index, hidden, tokens = carry
+            hidden = jnp.tanh(hidden @ weights)
+            token = (jnp.argmax(hidden[:rows], axis=-1) % vocabulary).astype(jnp.int32)
+            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index % new))
+            return index + 1, hidden, tokens
+
+        hidden = jnp.full((max(rows, 8), width), seed, jnp.float32)
+        _, hidden, tokens = jax.lax.while_loop(lambda c: c[0] < loop_steps, step,
+                                               (jnp.int32(0), hidden, jnp.zeros((rows, new), jnp.int32)))
+        lengths = (jnp.abs(hidden[:rows, 0] * 1000).astype(jnp.int32) % new) + 1
+        mask = jnp.arange(new)[None, :] < lengths[:, None]
+        return tokens, lengths, mask
+
+    return rollout_body
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -56,20 +80,7 @@ def main() -> None:
     pinned = SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in memories else None
     rows, new = args.rows, args.new
 
-    def rollout_body(weights, seed):
-        def step(carry):
-            index, hidden, tokens = carry
-            hidden = jnp.tanh(hidden @ weights)
-            token = (jnp.argmax(hidden[:rows], axis=-1) % 1000).astype(jnp.int32)
-            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index % new))
-            return index + 1, hidden, tokens
-
-        hidden = jnp.full((max(rows, 8), args.width), seed, jnp.float32)
-        _, hidden, tokens = jax.lax.while_loop(lambda c: c[0] < args.loop_steps, step,
-                                               (jnp.int32(0), hidden, jnp.zeros((rows, new), jnp.int32)))
-        lengths = (jnp.abs(hidden[:rows, 0] * 1000).astype(jnp.int32) % new) + 1
-        mask = jnp.arange(new)[None, :] < lengths[:, None]
-        return tokens, lengths, mask
+    rollout_body = stand_in_rollout(rows, new, args.loop_steps, args.width)
 
     three = jax.jit(rollout_body)
     def packed_fn(w, s):

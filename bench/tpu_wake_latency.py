@@ -28,9 +28,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tpu_host_latency import stand_in_rollout  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -57,22 +62,7 @@ def main() -> None:
     device = jax.devices()[0]
     rows, new = args.rows, args.new
 
-    def rollout_body(weights, seed):
-        def step(carry):
-            index, hidden, tokens = carry
-            hidden = jnp.tanh(hidden @ weights)
-            token = (jnp.argmax(hidden[:rows], axis=-1) % 256).astype(jnp.int32)
-            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index % new))
-            return index + 1, hidden, tokens
-
-        hidden = jnp.full((max(rows, 8), args.width), seed, jnp.float32)
-        _, hidden, tokens = jax.lax.while_loop(lambda c: c[0] < args.loop_steps, step,
-                                               (jnp.int32(0), hidden, jnp.zeros((rows, new), jnp.int32)))
-        lengths = (jnp.abs(hidden[:rows, 0] * 1000).astype(jnp.int32) % new) + 1
-        mask = jnp.arange(new)[None, :] < lengths[:, None]
-        return tokens, lengths, mask
-
-    rollout = jax.jit(rollout_body)
+    rollout = jax.jit(stand_in_rollout(rows, new, args.loop_steps, args.width, vocabulary=256))
     weights = jax.device_put(jnp.eye(args.width, dtype=jnp.float32) * 0.9, device)
 
     def host_work(ms: float) -> None:  # Python holding the GIL, as the loop's own work between dispatches does
