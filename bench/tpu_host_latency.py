@@ -30,9 +30,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tpu_merge import part_header  # noqa: E402
 
 
 def stand_in_rollout(rows: int, new: int, loop_steps: int, width: int, vocabulary: int = 1000):
@@ -157,10 +162,7 @@ def main() -> None:
                 for name in variants if not name.startswith("device_only")}
     result = {
         "benchmark": "tpu_host_latency",
-        "platform": jax.default_backend(),
-        "device_kind": device.device_kind,
-        "commit": os.environ.get("LOCOJAX_BENCH_COMMIT"),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **part_header(None, platform=jax.default_backend(), device_kind=device.device_kind),
         "memories": memories,
         "shape": {"rows": rows, "new": new, "loop_steps": args.loop_steps, "width": args.width},
         "repeats": args.repeats,

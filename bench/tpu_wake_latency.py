@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tpu_host_latency import stand_in_rollout  # noqa: E402
+from tpu_merge import part_header  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -147,10 +148,7 @@ def main() -> None:
     ms = 1e3
     result = {
         "benchmark": "tpu_wake_latency",
-        "platform": jax.default_backend(),
-        "device_kind": device.device_kind,
-        "commit": os.environ.get("LOCOJAX_BENCH_COMMIT"),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **part_header(None, platform=jax.default_backend(), device_kind=device.device_kind),
         "settings": {k: getattr(args, k) for k in ("rows", "new", "loop_steps", "width", "host_ms", "poll_sleep_us",
                                                    "work_rows", "repeats", "rounds")},
         "device_only_ms": {"median": statistics.median(device_samples) * ms, "p90": percentile(device_samples, 90) * ms},
